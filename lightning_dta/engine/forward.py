@@ -1,0 +1,143 @@
+"""Running a Hugging Face causal LM on one tree segment, with the ancestors' keys/values as its cache.
+
+The contract with transformers (measured on 5.24; see DESIGN.md section 6): the cache argument is called
+``cache`` (``past_key_values`` before 5.24), keys are cached after RoPE so positions are always explicit,
+and an explicit attention mask is always passed. The cache subclass below records the segment's own new
+keys/values as they are handed to the cache, so the engine gets them without any extra copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+
+class ModelNotSupportedError(TypeError):
+    """The model cannot be trained on a prefix tree (no KV cache, or a setting that breaks exactness)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    cache_arg: str  # "cache" (transformers >= 5.24) or "past_key_values"
+    logits_to_keep: bool  # whether forward accepts an index tensor of positions to project
+    vocab_size: int | None
+    max_positions: int | None
+    dtype: torch.dtype
+    device: torch.device
+    has_active_dropout: bool
+
+
+def inspect_model(model: nn.Module) -> ModelInfo:
+    """Check that ``model`` can take a KV cache and is not in a mode that silently drops it."""
+    params = inspect.signature(model.forward).parameters
+    if "cache" in params:
+        cache_arg = "cache"
+    elif "past_key_values" in params:
+        cache_arg = "past_key_values"
+    else:
+        raise ModelNotSupportedError(
+            f"{type(model).__name__}.forward takes no KV cache (no 'cache' or 'past_key_values' argument); "
+            "prefix-tree training feeds the ancestors' keys/values as the cache. Fix: use a Hugging Face causal "
+            "LM with KV-cache support (Llama, Qwen2/3, Mistral, Gemma, GPT-2, ...) or mode='vanilla'.")
+    checkpointing_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    if getattr(model, checkpointing_flag, False):
+        raise ModelNotSupportedError(
+            "transformers gradient checkpointing is enabled; it drops the KV cache during training (with only a "
+            "warning), which would train on different inputs. Fix: call model.gradient_checkpointing_disable() "
+            "and use tree_backward(..., activation='recompute', chunk_size=...) instead.")
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab_size = getattr(text_config, "vocab_size", None)
+    max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
+    first = next(model.parameters())
+    dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
+                     dropout)
+
+
+def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Log-softmax and the loss run in float32 for half-precision models (float64 models keep float64)."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
+class SegmentCache(DynamicCache):
+    """A ``DynamicCache`` pre-filled with the ancestors' keys/values that records each layer's new states."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> None:
+        super().__init__()
+        self.new_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if past:
+            layers = []
+            for keys, values in past:
+                layer = DynamicLayer()
+                layer.lazy_initialization(keys, values)
+                layer.keys, layer.values = keys, values  # no copy: the first update concatenates
+                layers.append(layer)
+            self.layers = layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.new_states[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def forward_segment(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, start: int,
+                    past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: torch.Tensor | None,
+                    attention_mask: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Forward ``input_ids`` ``[B, L]`` at positions ``start .. start+L-1`` after a cache of length ``start``.
+
+    Returns the logits of the requested ``columns`` ``[B, C, V]`` (all positions if ``None``) and the new
+    keys/values of every layer, still attached to the graph when grad is enabled.
+    """
+    batch, length = input_ids.shape
+    cache = SegmentCache(past)
+    positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+    if attention_mask is None:
+        attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
+    kwargs = {info.cache_arg: cache, "use_cache": True}
+    if columns is not None and info.logits_to_keep:
+        kwargs["logits_to_keep"] = columns.to(input_ids.device)
+    out = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask, **kwargs)
+    logits = out.logits
+    if columns is not None and not info.logits_to_keep:
+        logits = logits[:, columns.to(logits.device)]
+    new_kv = [cache.new_states[i] for i in sorted(cache.new_states)]
+    return logits, new_kv
+
+
+def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool,
+          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` ``[R, C]`` under ``logits`` ``[C, V]``, and the entropy of each column ``[1, C]``.
+
+    One log-softmax per position serves every rollout through it; rows only gather different targets.
+    """
+    log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
+    columns = torch.arange(log_probs.shape[0], device=log_probs.device)
+    logp = log_probs[columns[None, :], targets]
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = -(log_probs.exp() * log_probs).sum(-1)[None, :]
+    return logp, entropy
+
+
+def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, columns: torch.Tensor | None,
+                  position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """An ordinary forward without any cache (the baselines): logits of ``columns`` ``[B, C, V]``."""
+    batch, length = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
+    kwargs = {"use_cache": False}
+    if columns is not None and info.logits_to_keep:
+        kwargs["logits_to_keep"] = columns.to(input_ids.device)
+    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs).logits
+    if columns is not None and not info.logits_to_keep:
+        logits = logits[:, columns.to(logits.device)]
+    return logits

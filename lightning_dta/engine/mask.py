@@ -1,0 +1,87 @@
+"""The tree-attention baseline: a whole tree packed into one sequence under a 4-D tree attention mask.
+
+Every token attends to its ancestors' tokens and to the earlier tokens of its own segment, at its true
+position. One forward and one backward per pack; activation memory grows with the packed tokens. With
+``max_tokens`` the rollouts are cut, in lexicographic order, into packs of at most that many tree tokens:
+sharing across packs is lost, as in systems that cap packed sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from lightning_dta.engine.forward import ModelInfo, forward_plain, score
+from lightning_dta.engine.step_data import StepData
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.tree import PrefixTree, common_prefix_length
+
+
+def rollout_packs(tree: PrefixTree, max_tokens: int | None) -> list[list[int]]:
+    """Rollouts grouped in lexicographic order so that each group's tree has at most ``max_tokens`` tokens
+    (a single rollout longer than the cap forms a pack of its own)."""
+    order = tree.lexicographic_order()
+    if max_tokens is None:
+        return [order]
+    arrays = [t.numpy() for t in tree.token_tensors]
+    packs: list[list[int]] = []
+    tokens = 0
+    for r in order:
+        shared = common_prefix_length(arrays[packs[-1][-1]], arrays[r]) if packs and packs[-1] else 0
+        extra = len(arrays[r]) - shared
+        if packs and tokens + extra <= max_tokens:
+            packs[-1].append(r)
+            tokens += extra
+        else:
+            packs.append([r])
+            tokens = len(arrays[r])
+    return packs
+
+
+def tree_attention_mask(pack: PrefixTree, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Packed positions ``[T]``, the additive mask ``[1, 1, T, T]`` and each node's offset in the pack."""
+    nodes = pack.nodes[1:]
+    offsets = np.cumsum([0] + [n.length for n in nodes])[:-1].tolist()
+    node_of_token = torch.repeat_interleave(torch.arange(len(nodes)), torch.tensor([n.length for n in nodes]))
+    ancestor = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)  # ancestor[i, j]: j is i or above i
+    for i, node in enumerate(nodes):  # pre-order: a parent's row is complete before its children's
+        if node.parent is not pack.root:
+            ancestor[i] = ancestor[node.parent.index - 1]
+        ancestor[i, i] = True
+    allowed = ancestor[node_of_token][:, node_of_token]
+    allowed &= torch.ones_like(allowed).tril()  # ancestors precede in pre-order; own segment is causal
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    positions = torch.cat([torch.arange(n.start, n.end) for n in nodes])
+    return positions, mask[None, None], offsets
+
+
+def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+                  sums: dict, max_tokens: int | None = None) -> torch.Tensor:
+    total = torch.zeros((), dtype=step.dtype, device=info.device)
+    for group in rollout_packs(tree, max_tokens):
+        pack = tree.subset(group)
+        to_global = torch.tensor(group, dtype=torch.long)
+        positions, mask, offsets = tree_attention_mask(pack, info.dtype)
+        rows = []
+        for node, offset in zip(pack.nodes[1:], offsets):
+            seg = step.segment(to_global[torch.tensor(node.rollouts)], node.start, node.length)
+            if not seg.empty:
+                rows.append((offset, seg))
+        if not rows:
+            continue
+        columns = torch.cat([offset + seg.columns for offset, seg in rows])
+        input_ids = torch.cat([pack.tokens(n) for n in pack.nodes[1:]])[None].to(info.device)
+        logits = forward_plain(model, info, input_ids, columns, position_ids=positions[None].to(info.device),
+                               attention_mask=mask.to(info.device))[0]
+        loss = 0.0
+        first = 0
+        for _, seg in rows:
+            width = seg.columns.numel()
+            logp, entropy = score(logits[first:first + width], seg.targets, step.dtype, True,
+                                  loss_fn.needs_entropy_grad)
+            loss = loss + loss_fn(logp, entropy, seg.data, sums)
+            first += width
+        loss.backward()
+        total += loss.detach()
+    return total

@@ -1,0 +1,138 @@
+"""Per-token loss inputs of a step, flattened once, and gathered per tree segment.
+
+Every engine asks the same question: "for the positions ``start .. start+L-1`` of these rollouts, what does
+each position predict, and with which mask, advantage and log-probs?". Position ``p`` predicts token
+``p+1``; a rollout's last position predicts nothing. The answer is a ``[R, L]`` grid; rows and columns with
+nothing to train are dropped before the model's head is even evaluated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_dta.losses import PolicyLoss, TokenData
+from lightning_dta.rollout import RolloutError
+from lightning_dta.tree import PrefixTree
+
+_NAN = float("nan")
+
+
+def loss_masks(tree: PrefixTree) -> list[torch.Tensor]:
+    """Each rollout's effective loss mask; position 0 is never trained (it has no context)."""
+    masks = []
+    for rollout in tree.rollouts:
+        mask = torch.tensor(rollout.mask(), dtype=torch.float64)
+        mask[0] = 0.0
+        masks.append(mask)
+    return masks
+
+
+def tree_loss_normalizer(tree: PrefixTree, loss_fn: PolicyLoss) -> float:
+    """This tree's share of the step's loss normaliser; sum it over trees and ranks for a global step."""
+    return loss_fn.normalizer(loss_masks(tree))
+
+
+@dataclass
+class Segment:
+    """What one forward row must predict: grid data plus the columns whose logits are needed."""
+
+    columns: torch.Tensor  # [C] offsets within the segment whose logits are needed (CPU)
+    targets: torch.Tensor  # [R, C] token ids to score
+    data: TokenData  # [R, C] loss inputs
+    rollouts: torch.Tensor  # [R] rollout indices of the rows
+
+    @property
+    def empty(self) -> bool:
+        return self.columns.numel() == 0
+
+
+class StepData:
+    """Flat per-token tensors of all rollouts of a tree (on the CPU, where the indexing is cheap)."""
+
+    def __init__(self, tree: PrefixTree, loss_fn: PolicyLoss | None = None, normalizer: float | None = None,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.tree = tree
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.lengths = torch.tensor([len(t) for t in tree.token_tensors], dtype=torch.long)
+        self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
+        self.tokens = torch.cat(tree.token_tensors)
+        masks = loss_masks(tree)
+        self.mask = torch.cat(masks)
+        self.token_counts = torch.stack([m.sum() for m in masks])
+        self.advantages = torch.cat([self._per_token(r.advantages, len(r)) for r in tree.rollouts])
+        self.old = torch.cat([self._optional(r.old_logprobs, len(r)) for r in tree.rollouts])
+        self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
+        self.ref = torch.cat([self._optional(r.ref_logprobs, len(r)) for r in tree.rollouts])
+        self.any_ref = any(r.ref_logprobs is not None for r in tree.rollouts)
+        self.loss_fn = loss_fn
+        if loss_fn is not None:
+            self.normalizer = float(loss_fn.normalizer(masks) if normalizer is None else normalizer)
+            self.weights = loss_fn.rollout_weights(self.token_counts, self.normalizer)
+        else:
+            self.normalizer = 1.0
+            self.weights = torch.ones(len(tree.rollouts), dtype=torch.float64)
+
+    @staticmethod
+    def _per_token(value: float | list[float], length: int) -> torch.Tensor:
+        if isinstance(value, (int, float)):
+            return torch.full((length,), float(value), dtype=torch.float64)
+        return torch.tensor(value, dtype=torch.float64)
+
+    @staticmethod
+    def _optional(values: list[float] | None, length: int) -> torch.Tensor:
+        if values is None:
+            return torch.full((length,), _NAN, dtype=torch.float64)
+        out = torch.tensor([_NAN if v is None else float(v) for v in values], dtype=torch.float64)
+        out[0] = _NAN  # index 0 is never used
+        return out
+
+    def _grid(self, rollouts: torch.Tensor, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat indices of the targets of positions ``start .. start+length-1`` and their validity."""
+        target_pos = torch.arange(start + 1, start + length + 1)
+        lengths = self.lengths[rollouts]
+        valid = target_pos[None, :] < lengths[:, None]
+        index = self.offsets[rollouts][:, None] + torch.minimum(target_pos[None, :], lengths[:, None] - 1)
+        return index, valid
+
+    def segment(self, rollouts: list[int] | torch.Tensor, start: int, length: int, *,
+                all_positions: bool = False) -> Segment:
+        """The grid for positions ``start .. start+length-1`` of ``rollouts``.
+
+        With ``all_positions`` every valid target is kept (log-prob extraction); otherwise only trained ones.
+        """
+        rollouts = torch.as_tensor(rollouts, dtype=torch.long)
+        index, valid = self._grid(rollouts, start, length)
+        mask = self.mask[index] * valid
+        keep = valid if all_positions else mask > 0
+        rows = keep.any(1)
+        columns = torch.nonzero(keep.any(0)).flatten()
+        if not bool(rows.all()):
+            rollouts, index, mask, keep = rollouts[rows], index[rows], mask[rows], keep[rows]
+        index, mask, keep = index[:, columns], mask[:, columns], keep[:, columns]
+        to = dict(device=self.device, dtype=self.dtype)
+        data = TokenData(
+            mask=mask.to(**to),
+            advantages=self.advantages[index].to(**to),
+            old=self.old[index].to(**to),
+            prox=self.prox[index].to(**to),
+            ref=self.ref[index].to(**to),
+            weight=self.weights[rollouts][:, None].to(**to),
+            any_ref=self.any_ref,
+        )
+        targets = self.tokens[index].to(self.device)
+        return Segment(columns=columns, targets=targets, data=data, rollouts=rollouts)
+
+
+def check_tree_fits_model(tree: PrefixTree, vocab_size: int | None, max_positions: int | None) -> None:
+    """Refuse token ids outside the vocabulary and rollouts longer than the model's positions."""
+    for index, tokens in enumerate(tree.token_tensors):
+        if vocab_size is not None and int(tokens.max()) >= vocab_size:
+            pos = int(torch.nonzero(tokens >= vocab_size)[0])
+            raise RolloutError(index, "input_ids", f"token {pos} is {int(tokens[pos])}, outside the model's "
+                               f"vocabulary [0, {vocab_size})", "use the tokenizer that matches the model")
+        if max_positions is not None and len(tokens) > max_positions:
+            raise RolloutError(index, "input_ids", f"has {len(tokens)} tokens, more than the model's maximum "
+                               f"positions ({max_positions})", "truncate the rollout or use a longer-context model")

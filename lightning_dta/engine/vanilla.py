@@ -1,0 +1,57 @@
+"""The per-rollout baseline: every rollout forwarded and backpropagated on its own, prefixes recomputed.
+
+It is both the correctness reference of the tree engines and the speed baseline. With ``batch_tokens``
+rollouts are sorted by length and packed into right-padded micro-batches of at most that many tokens
+(rows x longest row), the way ordinary trainers batch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightning_dta.engine.forward import ModelInfo, forward_plain, score
+from lightning_dta.engine.step_data import StepData
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.tree import PrefixTree
+
+
+def micro_batches(lengths: list[int], batch_tokens: int | None) -> list[list[int]]:
+    """Rollout indices grouped (sorted by length) so that rows x longest row <= ``batch_tokens``."""
+    if batch_tokens is None:
+        return [[i] for i in range(len(lengths))]
+    batches: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+                     sums: dict, batch_tokens: int | None = None) -> torch.Tensor:
+    total = torch.zeros((), dtype=step.dtype, device=info.device)
+    lengths = [len(t) for t in tree.token_tensors]
+    for batch in micro_batches(lengths, batch_tokens):
+        segments = [step.segment([r], 0, lengths[r]) for r in batch]
+        rows = [(r, seg) for r, seg in zip(batch, segments) if not seg.empty]
+        if not rows:
+            continue
+        width = max(lengths[r] for r, _ in rows)
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, (r, _) in enumerate(rows):
+            input_ids[i, :lengths[r]] = tree.token_tensors[r]
+            attention_mask[i, :lengths[r]] = 1
+        columns = torch.unique(torch.cat([seg.columns for _, seg in rows]))
+        logits = forward_plain(model, info, input_ids.to(info.device), columns,
+                               attention_mask=attention_mask.to(info.device))
+        loss = 0.0
+        for i, (_, seg) in enumerate(rows):
+            logp, entropy = score(logits[i, torch.searchsorted(columns, seg.columns).to(logits.device)],
+                                  seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
+            loss = loss + loss_fn(logp, entropy, seg.data, sums)
+        loss.backward()
+        total += loss.detach()
+    return total

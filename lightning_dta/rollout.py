@@ -1,0 +1,189 @@
+"""Rollouts: the unit of RL training data, their JSONL form, and validation at the boundary.
+
+A rollout is one token sequence the policy produced (prompt, turns, response) plus the per-token data the
+loss needs. Validation happens here, before any tree is built, so that a bad file fails with an error that
+names the rollout and the field instead of training on something different from what was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs")
+LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
+
+
+class RolloutError(ValueError):
+    """A rollout is malformed. The message names the rollout index, the field and the fix."""
+
+    def __init__(self, index: int | None, field: str, problem: str, fix: str) -> None:
+        where = f"rollout {index}" if index is not None else "rollout"
+        super().__init__(f"{where}, field '{field}': {problem}. Fix: {fix}")
+        self.index = index
+        self.field = field
+
+
+@dataclass
+class Rollout:
+    """One sequence to train on.
+
+    Attributes:
+        input_ids: the whole token sequence (prompt, turns, responses).
+        loss_mask: 1 where the token's log-prob is trained, 0 elsewhere; ``None`` trains every token but
+            the first (which has no context to be predicted from).
+        advantages: one float for the whole rollout, or one value per token.
+        old_logprobs: behaviour-policy log-prob of each token (index 0 ignored); ``None`` means on-policy.
+        prox_logprobs: proximal-policy log-probs for decoupled PPO (index 0 ignored).
+        ref_logprobs: reference-policy log-probs for the KL penalty (index 0 ignored).
+        reward: scalar reward, used by advantage estimators.
+        group_id: rollouts with the same id form a group (GRPO).
+    """
+
+    input_ids: list[int]
+    loss_mask: list[int] | None = None
+    advantages: float | list[float] = 0.0
+    old_logprobs: list[float] | None = None
+    prox_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    reward: float | None = None
+    group_id: str | int | None = None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def mask(self) -> list[int]:
+        """The effective loss mask (the default trains every token but the first)."""
+        if self.loss_mask is None:
+            return [0] + [1] * (len(self.input_ids) - 1)
+        return [int(m) for m in self.loss_mask]
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict with the contract's field names; ``None`` fields are left out."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict, index: int | None = None) -> Rollout:
+        """Build a rollout from a dict, refusing unknown fields (a typo must not be silently dropped)."""
+        if not isinstance(data, dict):
+            raise RolloutError(index, "<record>", f"expected a JSON object, got {type(data).__name__}",
+                               "write one JSON object per line")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise RolloutError(index, unknown[0], f"unknown field(s) {unknown}",
+                               f"use only the fields {sorted(known)}")
+        if "input_ids" not in data:
+            raise RolloutError(index, "input_ids", "missing", "give the rollout's token ids")
+        return cls(**data)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_number_list(index: int, name: str, values: object, length: int) -> None:
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        raise RolloutError(index, name, f"expected a list of {length} numbers, got {type(values).__name__}",
+                           "give one value per token of input_ids")
+    if len(values) != length:
+        raise RolloutError(index, name, f"has {len(values)} entries but input_ids has {length}",
+                           "give exactly one value per token of input_ids")
+
+
+def validate_rollout(rollout: Rollout, index: int, vocab_size: int | None = None,
+                     max_positions: int | None = None) -> None:
+    """Raise :class:`RolloutError` if ``rollout`` cannot be trained on exactly as given."""
+    ids = rollout.input_ids
+    if not isinstance(ids, Sequence) or isinstance(ids, str):
+        raise RolloutError(index, "input_ids", f"expected a list of token ids, got {type(ids).__name__}",
+                           "give the tokenized sequence as a list of ints")
+    if len(ids) < 2:
+        raise RolloutError(index, "input_ids", f"has {len(ids)} token(s); at least 2 are needed",
+                           "drop the rollout explicitly before training, or include its prompt")
+    for pos, tok in enumerate(ids):
+        if not _is_int(tok):
+            raise RolloutError(index, "input_ids", f"token {pos} is {tok!r}, not an int", "tokenize to integer ids")
+        if tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+            raise RolloutError(index, "input_ids", f"token {pos} is {tok}, outside the vocabulary {bound}",
+                               "use the tokenizer that matches the model")
+    if max_positions is not None and len(ids) > max_positions:
+        raise RolloutError(index, "input_ids", f"has {len(ids)} tokens, more than the model's maximum positions "
+                           f"({max_positions})", "truncate the rollout or use a model with a longer context")
+    n = len(ids)
+    if rollout.loss_mask is not None:
+        _check_number_list(index, "loss_mask", rollout.loss_mask, n)
+        for pos, m in enumerate(rollout.loss_mask):
+            if m not in (0, 1):
+                raise RolloutError(index, "loss_mask", f"entry {pos} is {m!r}; only 0 and 1 are allowed",
+                                   "use 1 for trained tokens and 0 for the rest")
+    adv = rollout.advantages
+    if isinstance(adv, Sequence) and not isinstance(adv, str):
+        _check_number_list(index, "advantages", adv, n)
+        values = adv
+    else:
+        values = [adv]
+    for pos, a in enumerate(values):
+        if not isinstance(a, (int, float)) or isinstance(a, bool) or not math.isfinite(a):
+            raise RolloutError(index, "advantages", f"value {pos} is {a!r}, not a finite number",
+                               "check the reward and advantage computation for NaN/inf")
+    for name in LOGPROB_FIELDS:
+        lp = getattr(rollout, name)
+        if lp is None:
+            continue
+        _check_number_list(index, name, lp, n)
+        for pos in range(1, n):  # index 0 is never used: token 0 has no context
+            value = lp[pos]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise RolloutError(index, name, f"entry {pos} is {value!r}, not a finite number",
+                                   "recompute the log-probs; entry 0 may be anything, the rest must be finite")
+            if value > 1e-4:
+                raise RolloutError(index, name, f"entry {pos} is {value}, a log-probability must be <= 0",
+                                   "pass log-probs, not probabilities or logits")
+    if rollout.reward is not None and (not isinstance(rollout.reward, (int, float))
+                                       or not math.isfinite(rollout.reward)):
+        raise RolloutError(index, "reward", f"is {rollout.reward!r}, not a finite number", "check the reward function")
+
+
+def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None,
+                      max_positions: int | None = None) -> None:
+    """Validate every rollout; the first problem raises a :class:`RolloutError` naming its index."""
+    if len(rollouts) == 0:
+        raise RolloutError(None, "<rollouts>", "no rollouts were given", "pass at least one rollout")
+    for index, rollout in enumerate(rollouts):
+        if not isinstance(rollout, Rollout):
+            raise RolloutError(index, "<record>", f"expected a Rollout, got {type(rollout).__name__}",
+                               "wrap each record with lightning_dta.Rollout(...) or Rollout.from_dict")
+        validate_rollout(rollout, index, vocab_size, max_positions)
+
+
+def read_rollouts(path: str | Path) -> list[Rollout]:
+    """Read a JSONL file (one rollout object per line; blank lines ignored) and validate its structure."""
+    rollouts = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            index = len(rollouts)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise RolloutError(index, "<json>", f"line {line_number} of {path} is not valid JSON ({error.msg})",
+                                   "write one JSON object per line") from error
+            rollout = Rollout.from_dict(record, index)
+            validate_rollout(rollout, index)
+            rollouts.append(rollout)
+    if not rollouts:
+        raise RolloutError(None, "<file>", f"{path} holds no rollouts", "point at a non-empty JSONL file")
+    return rollouts
+
+
+def write_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> None:
+    """Write rollouts as JSONL, one object per line, with the contract's field names."""
+    with open(path, "w", encoding="utf-8") as handle:
+        for rollout in rollouts:
+            handle.write(json.dumps(rollout.to_dict(), allow_nan=False) + "\n")
