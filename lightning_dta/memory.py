@@ -1,0 +1,69 @@
+"""Measuring activation memory without a GPU: bytes that autograd holds for backward.
+
+``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an operation saves for its backward. The meter
+counts each storage once while any saved reference to it is alive and records the peak, so it measures
+what a training mode keeps for backward (parameters excluded), independent of the allocator and of noise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _Saved:
+    __slots__ = ("meter", "key", "tensor", "__weakref__")
+
+    def __init__(self, meter: SavedTensorMeter, key: int, tensor: torch.Tensor) -> None:
+        self.meter, self.key, self.tensor = meter, key, tensor
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class SavedTensorMeter:
+    """Context manager: ``peak_bytes`` is the largest total size of tensors saved for backward at once."""
+
+    def __init__(self, model: nn.Module | None = None) -> None:
+        self._params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._params:
+            return tensor
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [1, storage.nbytes()]
+            self.current_bytes += storage.nbytes()
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+        else:
+            entry[0] += 1
+        # Keep a detached alias: holding a saved *output* with its grad_fn would form a cycle through C++
+        # (node -> saved handle -> tensor -> node) that Python's GC cannot break, so graph branches that
+        # backward never reaches would look leaked. The alias shares storage, so the count is unchanged.
+        return _Saved(self, key, tensor.detach())
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current_bytes -= entry[1]
+            del self._live[key]
+
+    def __enter__(self) -> SavedTensorMeter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)

@@ -1,0 +1,67 @@
+"""One DFS step with ``Trainer(strategy="dta", accelerator="cpu", devices=N)``, run as a script by test_distributed.
+
+Every process first computes the single-process reference itself (plain ``tree_backward`` over ALL rollouts,
+clipping, SGD), before any process group exists, then joins the N-rank Trainer run. Rank 1 perturbs its initial
+weights, so matching results also prove the broadcast at setup. Each rank saves its gradients (after the
+cross-rank sum and the clipping), its updated weights, the reference and the logged loss to ``OUT/rank{r}.pt``.
+
+Usage: python dist_worker.py OUT DEVICES [EMPTY_RANK]   (the "dta" launcher re-runs it once per extra rank)
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning as L  # noqa: E402
+from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama  # noqa: E402
+
+import lightning_dta as dta  # noqa: E402
+
+LR = 0.5
+CLIP = 0.05  # below the gradient norm, so clipping is active and must act on the SUMMED gradient
+LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
+
+
+def reference(model: torch.nn.Module, rollouts) -> dict:
+    model = copy.deepcopy(model)
+    out = dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(**LOSS))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    return {"grads": grads, "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "loss": out.loss, "grad_norm": float(norm)}
+
+
+def main() -> None:
+    out_dir, devices = sys.argv[1], int(sys.argv[2])
+    empty_rank = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    rollouts = grpo_rollouts()
+    model = tiny_llama()
+    ref = reference(model, rollouts)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 1:
+        with torch.no_grad():  # a different start on rank 1: the strategy must broadcast rank 0's weights
+            for p in model.parameters():
+                p.add_(1.0)
+    module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP, **LOSS)
+    data = StepBatchData(lambda rank, world: [rank_batch(rollouts, rank, world, empty_rank)])
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=devices, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, data)
+    rank = trainer.global_rank
+    torch.save({"grads": {n: p.grad.clone() for n, p in module.model.named_parameters()},
+                "weights": {n: p.detach().clone() for n, p in module.model.named_parameters()},
+                "loss": float(trainer.callback_metrics["train/loss"]),
+                "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
+                "had_tree": rank_batch(rollouts, rank, devices, empty_rank).tree is not None,
+                "world_size": trainer.world_size, "reference": ref}, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Shared pieces of the Lightning-side tests: a tiny float32 Llama, GRPO-like rollouts, per-rank step batches.
+
+Imported by the tests and by ``dist_worker.py`` (which the tests run as a multi-process script).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+
+import lightning_dta as dta
+from lightning_dta.batch import StepBatch
+
+VOCAB = 128
+TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    """A float32 tiny Llama with weights scaled up, so logits are far from uniform and clipping is exercised."""
+    torch.manual_seed(seed)
+    model = dta.module.build_causal_lm(TINY_LLAMA)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(3.0)
+    return model
+
+
+def grpo_rollouts(seed: int = 0, groups: int = 3, per_group: int = 4) -> list[dta.Rollout]:
+    """Groups of responses sharing a prompt (a shared system prefix across groups), with behaviour and reference
+    log-probs far from the model's so that ratios are clipped and the KL term is active."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(6)]
+    rollouts = []
+    for g in range(groups):
+        prompt = system + [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        for _ in range(per_group):
+            response = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 8))]
+            ids = prompt + response
+            mask = [0] * len(prompt) + [1] * len(response)
+            rollouts.append(dta.Rollout(
+                input_ids=ids, loss_mask=mask, advantages=rng.gauss(0, 1),
+                old_logprobs=[-rng.uniform(2.0, 7.0) for _ in ids],
+                ref_logprobs=[-rng.uniform(2.0, 7.0) for _ in ids], group_id=g))
+    return rollouts
+
+
+def rank_batch(rollouts: Sequence[dta.Rollout], rank: int, world_size: int, empty_rank: int | None = None
+               ) -> StepBatch:
+    """This rank's share of one step: round-robin, or everything on the other ranks when ``rank == empty_rank``."""
+    full = dta.PrefixTree.from_rollouts(rollouts)
+    owners = [r for r in range(world_size) if r != empty_rank]
+    mine = [i for i in range(len(rollouts)) if owners[i % len(owners)] == rank]
+    tree = dta.PrefixTree.from_rollouts([rollouts[i] for i in mine]) if mine else None
+    return StepBatch(tree=tree, rank=rank, world_size=world_size, step_stats=full.stats)
+
+
+class _Batches(IterableDataset):
+    def __init__(self, batches: list[StepBatch]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+class StepBatchData(LightningDataModule):
+    """Yields ``make(rank, world_size)`` (a list of step batches) on each rank, built once the ranks are known."""
+
+    def __init__(self, make: Callable[[int, int], list[StepBatch]]) -> None:
+        super().__init__()
+        self.make = make
+
+    def train_dataloader(self) -> DataLoader:
+        batches = self.make(self.trainer.global_rank, self.trainer.world_size)
+        return DataLoader(_Batches(batches), batch_size=None)

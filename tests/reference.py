@@ -1,0 +1,92 @@
+"""An independent, deliberately plain reference: each rollout forwarded on its own with an ordinary forward
+and its loss written out token by token from DESIGN.md section 4. It shares no code with the engines."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import lightning_dta as dta
+
+
+def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss) -> torch.Tensor:
+    """The step loss as a differentiable scalar, computed rollout by rollout and token by token."""
+    eps_low = loss_fn.clip_eps
+    eps_high = loss_fn.clip_eps if loss_fn.clip_eps_high is None else loss_fn.clip_eps_high
+    per_rollout = []  # (sum of m * l, sum of m)
+    for r in rollouts:
+        ids = torch.tensor([r.input_ids])
+        logits = model(input_ids=ids).logits[0]
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
+        n = len(r.input_ids)
+        mask = [0] + [1] * (n - 1) if r.loss_mask is None else list(r.loss_mask)
+        total = torch.zeros((), dtype=dtype)
+        count = 0
+        for t in range(1, n):
+            if not mask[t]:
+                continue
+            logp = log_probs[t - 1, r.input_ids[t]]
+            adv = r.advantages if isinstance(r.advantages, (int, float)) else r.advantages[t]
+            old = logp.detach() if r.old_logprobs is None else torch.tensor(r.old_logprobs[t], dtype=dtype)
+            prox = old if r.prox_logprobs is None else torch.tensor(r.prox_logprobs[t], dtype=dtype)
+            ratio = torch.exp(logp - prox)
+            weight = torch.exp(prox - old)
+            pg = -weight * torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+            term = pg
+            if loss_fn.kl_coef and r.ref_logprobs is not None:
+                d = r.ref_logprobs[t] - logp
+                term = term + loss_fn.kl_coef * (torch.exp(d) - d - 1)
+            if loss_fn.entropy_coef:
+                p = log_probs[t - 1].exp()
+                term = term - loss_fn.entropy_coef * -(p * log_probs[t - 1]).sum()
+            total = total + term
+            count += 1
+        per_rollout.append((total, count))
+    if loss_fn.agg == "token-mean":
+        return sum(s for s, _ in per_rollout) / max(sum(c for _, c in per_rollout), 1)
+    if loss_fn.agg == "sum":
+        return sum(s for s, _ in per_rollout)
+    trained = [(s, c) for s, c in per_rollout if c > 0]
+    if loss_fn.agg == "seq-mean-token-mean":
+        return sum(s / c for s, c in trained) / max(len(trained), 1)
+    return sum(s for s, _ in trained) / max(len(trained), 1)
+
+
+def reference_grads(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss
+                    ) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = reference_loss(model, rollouts, loss_fn)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return float(loss.detach()), grads
+
+
+def engine_grads(model: torch.nn.Module, tree: dta.PrefixTree, loss_fn: dta.PolicyLoss, **kwargs
+                 ) -> tuple[dta.TreeBackwardOutput, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = dta.tree_backward(model, tree, loss_fn, **kwargs)
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out, grads
+
+
+def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], rtol: float,
+                       what: str = "") -> float:
+    """Per-parameter relative error ||a - e|| / ||e|| <= rtol; returns the worst one."""
+    assert set(actual) == set(expected), f"{what}: parameters with gradients differ"
+    worst = 0.0
+    for name, e in expected.items():
+        a = actual[name]
+        scale = float(e.norm())
+        err = float((a - e).norm())
+        if scale == 0.0:
+            assert err == 0.0, f"{what}: {name} should have a zero gradient, got norm {err}"
+            continue
+        rel = err / scale
+        worst = max(worst, rel)
+        assert rel <= rtol, f"{what}: {name} relative gradient error {rel:.3e} > {rtol:.0e}"
+    assert math.isfinite(worst)
+    return worst

@@ -1,0 +1,115 @@
+"""Advantage estimators: GRPO and a mean baseline over a whole step, with errors that name the rollout."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_dta import Rollout, RolloutError
+from lightning_dta.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    estimate_advantages,
+    grpo_advantages,
+    reinforce_baseline_advantages,
+)
+
+
+def make(rewards, groups):
+    return [Rollout(input_ids=[1, 2, 3], reward=r, group_id=g) for r, g in zip(rewards, groups)]
+
+
+def advantages(rollouts):
+    return [r.advantages for r in rollouts]
+
+
+def test_grpo_matches_torch_population_std():
+    rewards = [0.1, 0.9, 0.4, 0.4, 1.0, 0.0, 0.25, 0.75, 0.5]
+    groups = ["a", "a", "a", "a", 7, 7, "b", "b", "b"]
+    out = advantages(grpo_advantages(make(rewards, groups), eps=1e-6))
+    for members in ([0, 1, 2, 3], [4, 5], [6, 7, 8]):
+        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
+        expected = (r - r.mean()) / (r.std(unbiased=False) + 1e-6)
+        assert [out[i] for i in members] == pytest.approx(expected.tolist(), rel=1e-12, abs=1e-12)
+
+
+def test_grpo_hand_example_and_no_std_variant():
+    rollouts = make([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0])  # mean 0.5, population std 0.5
+    assert advantages(grpo_advantages(rollouts, eps=0.0)) == [1.0, -1.0, -1.0, 1.0]
+    assert advantages(estimate_advantages(rollouts, "grpo-no-std")) == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_estimators_return_new_rollouts_and_leave_inputs_alone():
+    rollouts = make([1.0, 0.0], ["g", "g"])
+    rollouts[0].advantages = [9.0, 9.0, 9.0]
+    out = grpo_advantages(rollouts)
+    assert out[0] is not rollouts[0]
+    assert rollouts[0].advantages == [9.0, 9.0, 9.0] and rollouts[1].advantages == 0.0
+    assert all(isinstance(r.advantages, float) for r in out)  # per-token values replaced by the scalar
+    assert out[0].input_ids == rollouts[0].input_ids and out[0].group_id == "g" and out[0].reward == 1.0
+
+
+def test_missing_reward_names_the_rollout_and_field():
+    rollouts = make([1.0, 0.5, None], ["g", "g", "g"])
+    for method in ADVANTAGE_ESTIMATORS:
+        with pytest.raises(RolloutError, match=r"rollout 2, field 'reward'") as info:
+            estimate_advantages(rollouts, method)
+        assert info.value.index == 2 and info.value.field == "reward"
+
+
+def test_grpo_refuses_rollouts_without_group():
+    with pytest.raises(RolloutError, match=r"rollout 1, field 'group_id'"):
+        grpo_advantages(make([1.0, 0.5], ["g", None]))
+
+
+def test_singleton_and_constant_groups_get_exactly_zero():
+    rollouts = make([0.7, 0.1, 0.1, 0.1, 1.0, 0.0], ["alone", "same", "same", "same", "x", "x"])
+    for eps in (1e-6, 0.0):
+        out = advantages(grpo_advantages(rollouts, eps=eps))
+        assert out[:4] == [0.0, 0.0, 0.0, 0.0]  # no signal, not rounding noise / eps
+        assert out[4:] == pytest.approx([1.0, -1.0], rel=1e-5)
+    assert advantages(reinforce_baseline_advantages(rollouts))[0] == 0.0
+
+
+def test_reinforce_baseline_uses_the_step_mean_without_groups():
+    out = advantages(reinforce_baseline_advantages(make([1.0, 0.0, 0.5, 0.5], [None] * 4)))
+    assert out == pytest.approx([0.5, -0.5, 0.0, 0.0], abs=1e-15)
+
+
+def test_reinforce_baseline_groups_and_ungrouped_rest():
+    out = advantages(reinforce_baseline_advantages(make([1.0, 0.0, 0.2, 0.6, 3.0], ["g", "g", None, None, "h"])))
+    assert out == pytest.approx([0.5, -0.5, -0.2, 0.2, 0.0], abs=1e-15)
+
+
+def test_none_keeps_the_rollouts_own_advantages_and_unknown_is_refused():
+    rollouts = make([None, None], [None, None])
+    rollouts[0].advantages = [0.0, 1.5, -2.0]
+    kept = estimate_advantages(rollouts, None)
+    assert kept == rollouts and kept is not rollouts  # no reward needed, nothing changed
+    with pytest.raises(ValueError, match="grpo"):
+        estimate_advantages(rollouts, "ppo-gae")
+
+
+group_of = st.lists(st.integers(0, 100).map(lambda k: k / 100), min_size=1, max_size=6)  # rewards in [0, 1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(group_of, min_size=1, max_size=5), st.randoms(use_true_random=False))
+def test_grpo_properties_any_order(groups, rng):
+    rewards = [r for g in groups for r in g]
+    ids = [k for k, g in enumerate(groups) for _ in g]
+    order = list(range(len(rewards)))
+    rng.shuffle(order)
+    out = advantages(grpo_advantages(make([rewards[i] for i in order], [ids[i] for i in order]), eps=0.0))
+    by_position = dict(zip(order, out))  # input order must not matter
+    reference = advantages(grpo_advantages(make(rewards, ids), eps=0.0))
+    assert [by_position[i] for i in range(len(rewards))] == pytest.approx(reference, abs=1e-12)
+    for k, g in enumerate(groups):
+        values = [reference[i] for i in range(len(rewards)) if ids[i] == k]
+        assert math.fsum(values) == pytest.approx(0.0, abs=1e-9)  # centred
+        if max(g) > min(g):
+            std = math.sqrt(math.fsum(v * v for v in values) / len(values))
+            assert std == pytest.approx(1.0, rel=1e-9)  # unit population std
+        else:
+            assert values == [0.0] * len(g)

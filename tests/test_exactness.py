@@ -1,0 +1,159 @@
+"""The core promise: tree training gives exactly the gradients of training each rollout on its own.
+
+Every engine mode and option is compared, per parameter, with an independent per-rollout reference
+(tests/reference.py). float64 models: relative error <= 1e-5 (Llama-style RMSNorm computes in float32, so
+agreement is ~1e-7, not 1e-15); float32: <= 1e-3. Loss values agree to 1e-6 relative.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import make_model, make_rollout, random_tree_rollouts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from reference import assert_grads_close, engine_grads, reference_grads
+
+import lightning_dta as dta
+
+RTOL64 = 1e-5
+RTOL32 = 1e-3
+
+ENGINE_CONFIGS = {
+    "vanilla": dict(mode="vanilla"),
+    "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=64),
+    "dfs-keep": dict(mode="dfs"),
+    "dfs-keep-nobatch-treeorder": dict(mode="dfs", leaf_batch_tokens=None, order="tree"),
+    "dfs-keep-chunk": dict(mode="dfs", chunk_size=3),
+    "dfs-recompute": dict(mode="dfs", activation="recompute"),
+    "dfs-recompute-chunk": dict(mode="dfs", activation="recompute", chunk_size=4),
+    "dfs-recompute-chunk1": dict(mode="dfs", activation="recompute", chunk_size=1, leaf_batch_tokens=16),
+    "mask": dict(mode="mask"),
+    "mask-capped": dict(mode="mask", mask_max_tokens=30),
+}
+
+LOSSES = {
+    "token-mean": dta.PolicyLoss(agg="token-mean"),
+    "seq-mean-token-mean": dta.PolicyLoss(agg="seq-mean-token-mean", clip_eps=0.1, clip_eps_high=0.3),
+    "seq-mean-token-sum": dta.PolicyLoss(agg="seq-mean-token-sum", kl_coef=0.05),
+    "sum": dta.PolicyLoss(agg="sum", clip_eps=0.2, kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+def check(model, rollouts, loss_fn, config, rtol=RTOL64):
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    assert ref, "the reference produced no gradient: the test data trains nothing"
+    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
+    assert out.loss == pytest.approx(ref_loss, rel=1e-6, abs=1e-12), f"{config}: loss {out.loss} vs {ref_loss}"
+    return assert_grads_close(got, ref, rtol, what=str(config)), out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("config_name", list(ENGINE_CONFIGS))
+def test_every_mode_matches_per_rollout_reference(family, config_name):
+    model = make_model(family)
+    rollouts = random_tree_rollouts(random.Random(1), num_rollouts=10)
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+    _, out = check(model, rollouts, loss_fn, ENGINE_CONFIGS[config_name])
+    assert out.metrics["clip_fraction"] > 0.1, "the test data must exercise clipping"
+    assert out.metrics["trained_tokens"] == sum(sum(r.loss_mask[1:]) for r in rollouts)
+
+
+@pytest.mark.parametrize("agg", list(LOSSES))
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla"])
+def test_every_aggregation(agg, config_name, llama64):
+    rollouts = random_tree_rollouts(random.Random(2), num_rollouts=9)
+    rollouts.append(dta.Rollout(input_ids=[1, 2, 3], loss_mask=[0, 0, 0], advantages=1.0))  # nothing trained
+    check(llama64, rollouts, LOSSES[agg], ENGINE_CONFIGS[config_name])
+
+
+def test_different_advantages_and_logprobs_on_a_shared_prefix(llama64):
+    """Rollouts share a long prefix that is trained in each, with per-token advantages and behaviour
+    log-probs that differ between them: the non-linear clip must be evaluated per (token, rollout)."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(48) for _ in range(15)]
+    rollouts = []
+    for _ in range(5):
+        ids = prefix + [rng.randrange(48) for _ in range(rng.randint(1, 6))]
+        r = make_rollout(rng, ids)
+        r.loss_mask = [0] + [1] * (len(ids) - 1)
+        rollouts.append(r)
+    # Behaviour log-probs near the model's own (noise of 0.3 nats): some ratios clip, some do not.
+    current = dta.tree_logprobs(llama64, dta.PrefixTree.from_rollouts(rollouts))
+    for r, logp in zip(rollouts, current):
+        r.old_logprobs = [0.0] + [min(0.0, float(v) + rng.gauss(0, 0.3)) for v in logp]
+        r.prox_logprobs = None
+    for config in ("dfs-keep", "dfs-recompute-chunk", "mask"):
+        _, out = check(llama64, rollouts, dta.PolicyLoss(clip_eps=0.1), ENGINE_CONFIGS[config])
+        assert 0.1 < out.metrics["clip_fraction"] < 0.95
+
+
+def test_sft_is_plain_nll(llama64):
+    """advantages=1 without old log-probs is the token-mean negative log-likelihood."""
+    rng = random.Random(4)
+    rollouts = [dta.Rollout(input_ids=[rng.randrange(48) for _ in range(rng.randint(3, 12))], advantages=1.0)
+                for _ in range(4)]
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    out, _ = engine_grads(llama64, tree, dta.PolicyLoss(), mode="dfs")
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for r in rollouts:
+            ids = torch.tensor([r.input_ids])
+            logits = llama64(input_ids=ids).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
+            count += len(r.input_ids) - 1
+    # pg = -ratio * A with ratio = 1: the loss value is -1 per token; the gradient is that of the NLL.
+    assert out.loss == pytest.approx(-1.0)
+    llama64.zero_grad(set_to_none=True)
+    loss = sum(torch.nn.functional.cross_entropy(llama64(input_ids=torch.tensor([r.input_ids])).logits[0, :-1],
+                                                 torch.tensor(r.input_ids[1:]), reduction="sum")
+               for r in rollouts) / count
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in llama64.named_parameters()}
+    _, got = engine_grads(llama64, tree, dta.PolicyLoss(), mode="dfs")
+    assert_grads_close(got, expected, RTOL64, "sft")
+    assert float(loss) == pytest.approx(nll / count)
+
+
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla-batched"])
+def test_float32_within_1e3(config_name):
+    model = make_model("qwen2", torch.float32)
+    rollouts = random_tree_rollouts(random.Random(5), num_rollouts=12)
+    check(model, rollouts, dta.PolicyLoss(kl_coef=0.1, entropy_coef=0.01), ENGINE_CONFIGS[config_name], RTOL32)
+
+
+def test_external_normalizer_scales_the_gradient(llama64):
+    """A distributed step passes the global normaliser; gradients then scale by local / global."""
+    rollouts = random_tree_rollouts(random.Random(6), num_rollouts=6)
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    loss_fn = dta.PolicyLoss()
+    local = dta.tree_loss_normalizer(tree, loss_fn)
+    base, g1 = engine_grads(llama64, tree, loss_fn, mode="dfs")
+    scaled, g2 = engine_grads(llama64, tree, loss_fn, mode="dfs", normalizer=3 * local)
+    assert base.normalizer == local and scaled.normalizer == 3 * local
+    assert scaled.loss == pytest.approx(base.loss / 3)
+    assert_grads_close({n: 3 * g for n, g in g2.items()}, g1, RTOL64, "normalizer")
+
+
+def test_gradients_add_to_existing_grad(llama64):
+    rollouts = random_tree_rollouts(random.Random(7), num_rollouts=5)
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    _, once = engine_grads(llama64, tree, dta.PolicyLoss(), mode="dfs")
+    llama64.zero_grad(set_to_none=True)
+    dta.tree_backward(llama64, tree, dta.PolicyLoss(), mode="dfs")
+    dta.tree_backward(llama64, tree, dta.PolicyLoss(), mode="dfs")
+    twice = {n: p.grad.clone() for n, p in llama64.named_parameters() if p.grad is not None}
+    llama64.zero_grad(set_to_none=True)
+    assert_grads_close(twice, {n: 2 * g for n, g in once.items()}, RTOL64, "accumulate")
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num=st.integers(1, 14), depth=st.integers(1, 5),
+       per_token=st.booleans(), config_name=st.sampled_from(["dfs-keep", "dfs-recompute-chunk", "dfs-keep-chunk",
+                                                            "dfs-recompute", "mask-capped", "mask"]),
+       agg=st.sampled_from(list(LOSSES)))
+def test_random_trees_property(seed, num, depth, per_token, config_name, agg, llama64):
+    rollouts = random_tree_rollouts(random.Random(seed), num_rollouts=num, max_depth=depth, per_token=per_token)
+    check(llama64, rollouts, LOSSES[agg], ENGINE_CONFIGS[config_name])

@@ -1,0 +1,59 @@
+"""Models and settings that would silently break exactness are refused with a clear message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model
+
+import lightning_dta as dta
+
+
+class NoCacheLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(48, 8)
+        self.head = torch.nn.Linear(8, 48)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.head(self.embed(input_ids))
+
+
+def tiny_tree() -> dta.PrefixTree:
+    return dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3]), dta.Rollout(input_ids=[1, 2, 4])])
+
+
+def test_model_without_cache_is_refused():
+    with pytest.raises(dta.ModelNotSupportedError, match="takes no KV cache.*Fix:"):
+        dta.tree_backward(NoCacheLM(), tiny_tree())
+
+
+def test_gradient_checkpointing_is_refused():
+    model = make_model("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(dta.ModelNotSupportedError, match="gradient checkpointing.*activation='recompute'"):
+        dta.tree_backward(model, tiny_tree())
+
+
+def test_dropout_with_recompute_is_refused():
+    model = make_model("gpt2")
+    model.config.resid_pdrop = 0.1
+    model.transformer.drop.p = 0.1
+    model.train()
+    with pytest.raises(dta.ModelNotSupportedError, match="dropout"):
+        dta.tree_backward(model, tiny_tree(), activation="recompute")
+    model.eval()
+    dta.tree_backward(model, tiny_tree(), activation="recompute")
+
+
+@pytest.mark.parametrize("kwargs", [dict(mode="tree"), dict(activation="lazy"), dict(chunk_size=0),
+                                    dict(order="random"), dict(leaf_batch_tokens=0)])
+def test_bad_options_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        dta.tree_backward(make_model("llama"), tiny_tree(), **kwargs)
+
+
+def test_bad_loss_settings_are_refused():
+    with pytest.raises(ValueError, match="agg"):
+        dta.PolicyLoss(agg="mean")

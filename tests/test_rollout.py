@@ -1,0 +1,107 @@
+"""Bad input is refused at the boundary with an error naming the rollout, the field and the fix."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import make_model
+
+import lightning_dta as dta
+
+
+def good(**overrides) -> dict:
+    record = dict(input_ids=[1, 2, 3, 4], loss_mask=[0, 1, 1, 1], advantages=0.5,
+                  old_logprobs=[0.0, -1.0, -2.0, -0.5])
+    record.update(overrides)
+    return record
+
+
+def expect_error(records: list[dict], field: str, index: int, **limits) -> str:
+    rollouts = [dta.Rollout(**r) for r in records]
+    with pytest.raises(dta.RolloutError) as info:
+        dta.validate_rollouts(rollouts, **limits)
+    message = str(info.value)
+    assert f"rollout {index}" in message and f"'{field}'" in message and "Fix:" in message, message
+    assert info.value.index == index and info.value.field == field
+    return message
+
+
+@pytest.mark.parametrize("ids", [[], [5]])
+def test_too_short(ids):
+    expect_error([good(), good(input_ids=ids, loss_mask=None, old_logprobs=None)], "input_ids", 1)
+
+
+def test_per_token_length_mismatch():
+    for field in ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "advantages"):
+        message = expect_error([good(**{field: [0, 1, 1]})], field, 0)
+        assert "3 entries but input_ids has 4" in message
+
+
+def test_token_ids_out_of_range():
+    expect_error([good(), good(), good(input_ids=[1, -2, 3, 4])], "input_ids", 2)
+    message = expect_error([good(input_ids=[1, 2, 300, 4])], "input_ids", 0, vocab_size=256)
+    assert "300" in message and "256" in message
+
+
+def test_non_finite_advantages_and_logprobs():
+    expect_error([good(advantages=math.nan)], "advantages", 0)
+    expect_error([good(advantages=[0.0, 1.0, math.inf, 0.0])], "advantages", 0)
+    expect_error([good(old_logprobs=[0.0, -1.0, math.nan, -1.0])], "old_logprobs", 0)
+    expect_error([good(ref_logprobs=[0.0, -math.inf, -1.0, -1.0])], "ref_logprobs", 0)
+    expect_error([good(prox_logprobs=[0.0, -1.0, 0.7, -1.0])], "prox_logprobs", 0)  # a probability, not log
+
+
+def test_logprob_entry_zero_is_ignored():
+    dta.validate_rollouts([dta.Rollout(**good(old_logprobs=[None, -1.0, -1.0, -1.0]))])
+
+
+def test_too_long_for_the_model():
+    expect_error([good(input_ids=list(range(10)), loss_mask=None, old_logprobs=None)], "input_ids", 0,
+                 max_positions=8)
+
+
+def test_loss_mask_values():
+    message = expect_error([good(loss_mask=[0, 1, 2, 1])], "loss_mask", 0)
+    assert "only 0 and 1" in message
+    expect_error([good(loss_mask=[0, 0.5, 1, 1])], "loss_mask", 0)
+
+
+def test_tree_backward_checks_the_model_limits():
+    model = make_model("llama")
+    tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3]), dta.Rollout(input_ids=[1, 2, 99])])
+    with pytest.raises(dta.RolloutError, match=r"rollout 1, field 'input_ids'.*vocabulary"):
+        dta.tree_backward(model, tree)
+    tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1] * 300)])
+    with pytest.raises(dta.RolloutError, match=r"rollout 0.*maximum positions \(256\)"):
+        dta.tree_logprobs(model, tree)
+
+
+def test_jsonl_round_trip(tmp_path):
+    rollouts = [dta.Rollout(**good()), dta.Rollout(input_ids=[7, 8], advantages=[0.0, 1.5], reward=1.0,
+                                                   group_id="g1")]
+    path = tmp_path / "r.jsonl"
+    dta.write_rollouts(path, rollouts)
+    assert dta.read_rollouts(path) == rollouts
+    assert json.loads(path.read_text().splitlines()[1]) == {"input_ids": [7, 8], "advantages": [0.0, 1.5],
+                                                             "reward": 1.0, "group_id": "g1"}
+
+
+def test_jsonl_errors_name_the_rollout(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps(good()) + "\n\n" + json.dumps(good(advantage=1.0)) + "\n")
+    with pytest.raises(dta.RolloutError, match=r"rollout 1, field 'advantage': unknown field"):
+        dta.read_rollouts(path)
+    path.write_text(json.dumps(good()) + "\n{not json\n")
+    with pytest.raises(dta.RolloutError, match=r"rollout 1.*line 2"):
+        dta.read_rollouts(path)
+    path.write_text(json.dumps(good(loss_mask=[0, 1])) + "\n")
+    with pytest.raises(dta.RolloutError, match=r"rollout 0, field 'loss_mask'"):
+        dta.read_rollouts(path)
+    path.write_text(json.dumps({"loss_mask": [0, 1]}) + "\n")
+    with pytest.raises(dta.RolloutError, match=r"rollout 0, field 'input_ids': missing"):
+        dta.read_rollouts(path)
+    path.write_text("")
+    with pytest.raises(dta.RolloutError, match="holds no rollouts"):
+        dta.read_rollouts(path)
