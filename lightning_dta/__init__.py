@@ -13,7 +13,26 @@ from lightning_dta.tree import PrefixTree, TreeNode, TreeStats
 
 __version__ = "0.1.0"
 
+# The Lightning side. Lightning finds no third-party strategy by itself, so importing the package registers
+# the strategy names "dta" and "dta_spawn" (as Lightning's own strategies do in `register_strategies`).
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_dta.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402
+from lightning_dta.module import DTAModule  # noqa: E402
+from lightning_dta.step import DFSStepMixin, StepOutput, dfs_training_step, tree_step_backward  # noqa: E402
+from lightning_dta.strategy import DTAStrategy  # noqa: E402
+
+DTAStrategy.register_strategies(StrategyRegistry)
+
 __all__ = [
+    "DFSStepMixin",
+    "DTAModule",
+    "DTAStrategy",
+    "PeakMemoryMonitor",
+    "StepOutput",
+    "TreeThroughputMonitor",
+    "dfs_training_step",
+    "tree_step_backward",
     "ModelNotSupportedError",
     "PolicyLoss",
     "PrefixTree",

@@ -1,0 +1,118 @@
+"""The few collectives a DFS step needs, on plain ``torch.distributed`` (no DDP wrapper).
+
+Why not DDP: a DFS step runs one backward per tree node. DDP reduces gradients from hooks that fire during
+backward, so it would either all-reduce once per node (slow) or, under ``no_sync``, leave a parameter touched
+only in ``no_sync`` backwards silently unsynced (DESIGN.md section 6). Instead every rank runs its whole DFS,
+then the gradients are summed once, in a few large flattened buckets. Each rank divides its loss by the
+step-wide normaliser, so the cross-rank SUM (not the mean) is the full-step gradient; gloo has no AVG anyway.
+
+Every function here is a no-op on a single process, so the same code path serves 1 and N ranks. Every rank
+must call them in the same order with the same parameter list, including a rank that trained nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DEFAULT_BUCKET_MB = 256.0
+
+
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks taking part (1 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def collective_device(tensor_or_module: torch.Tensor | nn.Module) -> torch.device:
+    """Where small collective tensors must live: NCCL only reduces CUDA tensors, gloo reduces CPU ones."""
+    device = tensor_or_module.device if isinstance(tensor_or_module, torch.Tensor) else \
+        next(tensor_or_module.parameters()).device
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def all_reduce_sum(values: Sequence[float], device: torch.device | str = "cpu",
+                   group: dist.ProcessGroup | None = None) -> list[float]:
+    """Sum a short vector of floats over ranks in float64 (token counts stay exact up to 2**53)."""
+    if world_size(group) == 1:
+        return [float(v) for v in values]
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor.tolist()
+
+
+def all_gather_floats(values: Sequence[float], device: torch.device | str = "cpu",
+                      group: dist.ProcessGroup | None = None) -> list[list[float]]:
+    """Every rank's copy of a short float vector, index = rank (one collective for sums, maxima and spreads)."""
+    n = world_size(group)
+    tensor = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+    if n == 1:
+        return [tensor.tolist()]
+    out = [torch.empty_like(tensor) for _ in range(n)]
+    dist.all_gather(out, tensor, group=group)
+    return [t.tolist() for t in out]
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive groups of same-device, same-dtype tensors of at most ``bucket_bytes`` (one tensor may exceed)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (size + nbytes > bucket_bytes or tensor.dtype != bucket[0].dtype
+                       or tensor.device != bucket[0].device):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _flat_collective(tensors: list[torch.Tensor], bucket_mb: float, op) -> None:
+    """Run ``op(flat)`` on each flattened bucket and copy the result back into the tensors in place."""
+    for bucket in _buckets(tensors, int(bucket_mb * 2**20)):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        op(flat)
+        for tensor, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
+            tensor.copy_(chunk.view_as(tensor))
+
+
+def sum_gradients(parameters: Iterable[nn.Parameter], *, bucket_mb: float = DEFAULT_BUCKET_MB,
+                  group: dist.ProcessGroup | None = None) -> None:
+    """Replace each ``.grad`` by its sum over ranks: one small flag collective, then flattened buckets.
+
+    A rank whose DFS never touched a parameter (or that had no tree at all) has ``grad=None`` there; it joins
+    with zeros so the collectives line up. A parameter that no rank touched keeps ``grad=None``, exactly as on
+    one process, so optimizers that skip ``None`` gradients (weight decay, moments) behave the same.
+    """
+    params = [p for p in parameters if p.requires_grad]
+    if world_size(group) == 1 or not params:
+        return
+    device = collective_device(params[0])
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.SUM, group=group)
+    grads = []
+    for param, anywhere in zip(params, present.tolist()):
+        if anywhere == 0:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        grads.append(param.grad)
+    _flat_collective(grads, bucket_mb, lambda flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group))
+
+
+def broadcast_module(module: nn.Module, *, src: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
+                     group: dist.ProcessGroup | None = None) -> None:
+    """Copy rank ``src``'s parameters and buffers to every rank, so that all ranks start from identical weights
+    (what the DDP constructor does, without keeping a DDP wrapper around)."""
+    if world_size(group) == 1:
+        return
+    tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
+    _flat_collective(tensors, bucket_mb, lambda flat: dist.broadcast(flat, src=src, group=group))

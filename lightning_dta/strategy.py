@@ -1,0 +1,115 @@
+"""``DTAStrategy``: multi-process data parallelism for DFS training, without a DDP wrapper.
+
+A DFS step runs one backward per tree node. ``DistributedDataParallel`` reduces gradients from autograd hooks
+during backward, so it would all-reduce once per node, or, under ``no_sync``, leave a parameter touched only in
+``no_sync`` backwards silently unsynced (DESIGN.md section 6). This strategy therefore keeps every rank's module
+unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) relies on:
+
+- identical weights on every rank: rank 0's parameters and buffers are broadcast at setup (also after a
+  checkpoint restore, which Lightning does before ``Strategy.setup``);
+- a process group (gloo on CPU, NCCL on GPU) for the step's collectives: the loss-normaliser all-reduce
+  before the DFS and one flattened SUM of the gradients after it (``bucket_mb`` per bucket);
+- the usual DDP launchers, ranks, ``barrier``/``broadcast``/``reduce`` for logging and checkpointing, which it
+  inherits from Lightning's ``DDPStrategy``.
+
+On a single device no process group is created at all and every collective is a no-op, so ``devices=1`` runs
+the same code. Lightning finds no third-party strategy by itself, so ``import lightning_dta`` registers the
+names ``"dta"`` (subprocess launcher, as ``"ddp"``; for scripts and the CLI) and ``"dta_spawn"`` (spawned
+processes, as ``"ddp_spawn"``; for code that cannot be re-run once per rank, such as tests).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+
+from lightning_dta.distributed import DEFAULT_BUCKET_MB, broadcast_module
+
+
+class DTAStrategy(DDPStrategy):
+    """Data parallelism for DFS steps: unwrapped module, weights broadcast at setup, gradients summed once per step.
+
+    Args:
+        bucket_mb: size of each flattened gradient bucket summed across ranks (one all-reduce per bucket).
+        process_group_backend: ``"gloo"``/``"nccl"``; default: NCCL on CUDA, gloo on CPU.
+        timeout: collective timeout.
+        start_method: ``"popen"`` (re-run the script per rank, like ``"ddp"``) or ``"spawn"``/``"fork"``.
+        The other arguments are filled in by the Trainer, as for every Lightning strategy.
+    """
+
+    strategy_name = "dta"
+
+    def __init__(self, accelerator: Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        self.bucket_mb = float(bucket_mb)
+
+    def setup_distributed(self) -> None:
+        """Create the process group, except on a single process where every collective is a no-op anyway
+        (no port to bind, nothing to tear down)."""
+        if self.num_nodes * self.num_processes <= 1 and not dist.is_initialized():
+            self.set_world_ranks()
+            return
+        super().setup_distributed()
+
+    def setup(self, trainer: Trainer) -> None:
+        """``DDPStrategy.setup`` without the wrapper: convert precision, move to the device, broadcast the weights
+        of rank 0 (they may differ: random init, or a restore on rank 0 only), then build the optimizers."""
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        broadcast_module(self.model, bucket_mb=self.bucket_mb)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def configure_ddp(self) -> None:
+        """Nothing to wrap (kept so code that calls ``DDPStrategy.configure_ddp`` still works)."""
+
+    def _setup_model(self, model: Module) -> Module:
+        return model
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        lm = self.lightning_module
+        if lm is not None and lm.automatic_optimization:
+            raise RuntimeError(
+                "strategy='dta' does not synchronise gradients in backward (there is no DDP wrapper); it serves "
+                "manual-optimization modules that sum them once per step, such as DTAModule or any module that "
+                "calls lightning_dta.dfs_training_step. Fix: set `self.automatic_optimization = False`.")
+        return super().training_step(*args, **kwargs)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, description=f"DFS prefix-tree training, start_method '{start_method}'",
+                    start_method=start_method)
