@@ -1,0 +1,10 @@
+"""Lightning callbacks that measure DFS training: throughput (logical and tree tokens/s) and peak memory.
+
+Both count on every rank and reduce over ranks from ``on_train_batch_*`` hooks, which every rank runs; a
+collective from a rank-0-only hook would hang the other ranks.
+"""
+
+from lightning_dta.callbacks.memory import PeakMemoryMonitor
+from lightning_dta.callbacks.throughput import TreeThroughputMonitor
+
+__all__ = ["PeakMemoryMonitor", "TreeThroughputMonitor"]

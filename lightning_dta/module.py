@@ -1,0 +1,134 @@
+"""``DTAModule``: a manual-optimization ``LightningModule`` that trains a Hugging Face causal LM with DFS steps.
+
+Each ``training_step`` receives this rank's :class:`~lightning_dta.batch.StepBatch` and runs exactly one
+optimizer step (:func:`~lightning_dta.step.dfs_training_step`): normaliser all-reduce, DFS, one gradient sum
+over ranks, clipping, step. Manual optimization is not a choice of style: Lightning's automatic loop wants
+one loss tensor per step to call ``backward`` on, and a DFS runs one backward per tree node.
+
+The causal LM is built in ``configure_model``, not in ``__init__``: LightningCLI instantiates the module to
+parse and check a config, and a hub name must not trigger a download (or a 16 GB allocation) at that point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from os import PathLike
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+
+from lightning_dta.batch import StepBatch
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.step import DFSStepMixin, StepOutput
+from lightning_dta.tree import PrefixTree
+
+ModelSpec = str | dict[str, Any] | nn.Module
+
+
+def _dtype_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """YAML gives dtypes as strings ("bfloat16"); transformers wants ``torch.dtype`` (or "auto")."""
+    out = dict(kwargs)
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(out.get(key), str) and out[key] != "auto":
+            out[key] = getattr(torch, out[key])
+    return out
+
+
+def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
+                    model_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+    """A causal LM from a local path or hub name (``from_pretrained``), a config dict with a ``model_type``
+    (``AutoConfig.for_model`` + ``from_config``: random weights, for tests and tiny runs), or a module as is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = _dtype_kwargs(model_kwargs or {})
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, Mapping):
+        spec = dict(model)
+        if "model_type" not in spec:
+            raise ValueError("a model config dict needs a 'model_type' (e.g. 'llama', 'qwen3'); got keys "
+                             f"{sorted(spec)}")
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    if isinstance(model, (str, PathLike)):
+        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    raise TypeError(f"model must be a path or hub name, a config dict or an nn.Module; got {type(model).__name__}")
+
+
+class DTAModule(DFSStepMixin, LightningModule):
+    """Train a causal LM on prefix trees of RL rollouts, one DFS per optimizer step.
+
+    Args:
+        model: a local path or hub name (``AutoModelForCausalLM.from_pretrained``), a config dict such as
+            ``{"model_type": "llama", "vocab_size": 256, ...}`` (random init), or an ``nn.Module``.
+        model_kwargs: extra arguments for ``from_pretrained``/``from_config`` (``dtype``, ``attn_implementation``).
+        clip_eps, clip_eps_high, kl_coef, entropy_coef, agg: the :class:`~lightning_dta.PolicyLoss`.
+        mode, activation, chunk_size, leaf_batch_tokens, order: engine options of
+            :func:`~lightning_dta.tree_backward`.
+        optimizer: called with the parameters (LightningCLI fills it from ``class_path``/``init_args``). For
+            checkpoints from Python, use something picklable (a class or ``functools.partial``, not a lambda).
+        lr_scheduler: called with the optimizer; stepped once per optimizer step.
+        gradient_clip_val, gradient_clip_algorithm: clipping of the gradient summed over ranks
+            (``Trainer(gradient_clip_val=...)`` is refused by Lightning in manual optimization).
+    """
+
+    def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
+                 clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
+                 entropy_coef: float = 0.0, agg: str = "token-mean",
+                 mode: str = "dfs", activation: str = "keep", chunk_size: int | None = None,
+                 leaf_batch_tokens: int | None = 4096, order: str = "leaves-first",
+                 optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        self.model_spec = None if isinstance(model, nn.Module) else model  # a module is registered once, below
+        self.model_kwargs = dict(model_kwargs or {})
+        self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self.loss_fn = PolicyLoss(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
+                                  entropy_coef=entropy_coef, agg=agg)
+        self.engine_kwargs: dict[str, Any] = dict(mode=mode, activation=activation, chunk_size=chunk_size,
+                                                  leaf_batch_tokens=leaf_batch_tokens, order=order)
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.gradient_clip_val = gradient_clip_val
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+
+    def configure_model(self) -> None:
+        """Build the causal LM once (Lightning may call this hook again, e.g. for ``validate`` after ``fit``)."""
+        if self.model is None:
+            self.model = build_causal_lm(self.model_spec, self.model_kwargs)
+
+    def configure_optimizers(self) -> Any:
+        if self.model is None:
+            raise RuntimeError("configure_model() must run before configure_optimizers()")
+        optimizer = self.optimizer_factory(self.model.parameters())
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": self.lr_scheduler_factory(optimizer), "interval": "step"}}
+
+    def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:
+        out = self.dfs_training_step(batch, self.loss_fn, model=self.model,
+                                     gradient_clip_val=self.gradient_clip_val,
+                                     gradient_clip_algorithm=self.gradient_clip_algorithm, **self.engine_kwargs)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        self.log_step(out, batch)
+        return torch.tensor(out.loss)
+
+    def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None) -> None:
+        """Log the step's metrics. They are step-wide and identical on every rank, so no ``sync_dist``."""
+        metrics = {f"train/{key}": value for key, value in out.metrics.items()}
+        if self.loss_fn.kl_coef == 0.0:
+            metrics.pop("train/ref_kl", None)
+        metrics["train/grad_norm"] = out.grad_norm or 0.0
+        metrics["train/lr"] = self.optimizers().optimizer.param_groups[0]["lr"]
+        if isinstance(batch, StepBatch):
+            metrics["train/rank_cost_imbalance"] = batch.imbalance
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        self.log("loss", out.loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1, logger=False)
