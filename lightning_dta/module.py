@@ -11,6 +11,7 @@ parse and check a config, and a hub name must not trigger a download (or a 16 GB
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from os import PathLike
 from typing import Any
@@ -35,6 +36,17 @@ def _dtype_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(out.get(key), str) and out[key] != "auto":
             out[key] = getattr(torch, out[key])
     return out
+
+
+def _is_plain(value: Any) -> bool:
+    """Data that ``torch.load(weights_only=True)`` accepts: primitives, strings and containers of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(v) for v in value)
+    if isinstance(value, Mapping):
+        return all(isinstance(k, str) and _is_plain(v) for k, v in value.items())
+    return False
 
 
 def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
@@ -68,8 +80,9 @@ class DTAModule(DFSStepMixin, LightningModule):
         clip_eps, clip_eps_high, kl_coef, entropy_coef, agg: the :class:`~lightning_dta.PolicyLoss`.
         mode, activation, chunk_size, leaf_batch_tokens, order: engine options of
             :func:`~lightning_dta.tree_backward`.
-        optimizer: called with the parameters (LightningCLI fills it from ``class_path``/``init_args``). For
-            checkpoints from Python, use something picklable (a class or ``functools.partial``, not a lambda).
+        optimizer: called with the parameters (LightningCLI fills it from ``class_path``/``init_args``). A
+            Python callable is not stored in the checkpoint's hyper-parameters (see ``_save_plain_hyperparameters``):
+            pass it again to the module you resume or load.
         lr_scheduler: called with the optimizer; stepped once per optimizer step.
         gradient_clip_val, gradient_clip_algorithm: clipping of the gradient summed over ranks
             (``Trainer(gradient_clip_val=...)`` is refused by Lightning in manual optimization).
@@ -84,7 +97,7 @@ class DTAModule(DFSStepMixin, LightningModule):
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.save_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else None)
+        self._save_plain_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else [])
         self.model_spec = None if isinstance(model, nn.Module) else model  # a module is registered once, below
         self.model_kwargs = dict(model_kwargs or {})
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -96,6 +109,18 @@ class DTAModule(DFSStepMixin, LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
+
+    def _save_plain_hyperparameters(self, ignore: list[str]) -> None:
+        """``save_hyperparameters`` minus Python objects (an optimizer class, a ``functools.partial``).
+
+        Lightning resumes with ``torch.load(weights_only=True)``, which refuses arbitrary globals in the
+        checkpoint, so a stored ``torch.optim.AdamW`` would make every Python-side checkpoint unloadable. From
+        LightningCLI the hyper-parameters are the parsed config (plain data) and are all kept.
+        """
+        self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)
+        opaque = [key for key, value in self.hparams.items() if not _is_plain(value)]
+        if opaque:
+            self.save_hyperparameters(ignore=ignore + opaque, frame=inspect.currentframe().f_back)
 
     def configure_model(self) -> None:
         """Build the causal LM once (Lightning may call this hook again, e.g. for ``validate`` after ``fit``)."""

@@ -10,7 +10,6 @@ Usage: python dist_worker.py OUT DEVICES [EMPTY_RANK]   (the "dta" launcher re-r
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import sys
@@ -20,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning as L  # noqa: E402
-from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama  # noqa: E402
+from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama  # noqa: E402
 
 import lightning_dta as dta  # noqa: E402
 
@@ -29,28 +28,18 @@ CLIP = 0.05  # below the gradient norm, so clipping is active and must act on th
 LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
 
 
-def reference(model: torch.nn.Module, rollouts) -> dict:
-    model = copy.deepcopy(model)
-    out = dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(**LOSS))
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=LR).step()
-    return {"grads": grads, "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "loss": out.loss, "grad_norm": float(norm)}
-
-
 def main() -> None:
     out_dir, devices = sys.argv[1], int(sys.argv[2])
     empty_rank = int(sys.argv[3]) if len(sys.argv) > 3 else None
     rollouts = grpo_rollouts()
     model = tiny_llama()
-    ref = reference(model, rollouts)
+    ref = reference_step(model, rollouts, LOSS, lr=LR, clip=CLIP)
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
         with torch.no_grad():  # a different start on rank 1: the strategy must broadcast rank 0's weights
             for p in model.parameters():
                 p.add_(1.0)
     module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP, **LOSS)
-    data = StepBatchData(lambda rank, world: [rank_batch(rollouts, rank, world, empty_rank)])
+    data = StepBatchData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size, empty_rank)])
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=devices, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)

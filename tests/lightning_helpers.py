@@ -5,11 +5,12 @@ Imported by the tests and by ``dist_worker.py`` (which the tests run as a multi-
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable, Sequence
 
 import torch
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_dta as dta
@@ -50,6 +51,18 @@ def grpo_rollouts(seed: int = 0, groups: int = 3, per_group: int = 4) -> list[dt
     return rollouts
 
 
+def reference_step(model: torch.nn.Module, rollouts: Sequence[dta.Rollout], loss_kwargs: dict, lr: float,
+                   clip: float | None = None) -> dict:
+    """The single-process step by hand, on a copy: ``tree_backward`` over all rollouts, clipping, SGD."""
+    model = copy.deepcopy(model)
+    out = dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(**loss_kwargs))
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip else float("inf"))
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    return {"grads": grads, "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "loss": out.loss, "grad_norm": float(norm)}
+
+
 def rank_batch(rollouts: Sequence[dta.Rollout], rank: int, world_size: int, empty_rank: int | None = None
                ) -> StepBatch:
     """This rank's share of one step: round-robin, or everything on the other ranks when ``rank == empty_rank``."""
@@ -69,12 +82,11 @@ class _Batches(IterableDataset):
 
 
 class StepBatchData(LightningDataModule):
-    """Yields ``make(rank, world_size)`` (a list of step batches) on each rank, built once the ranks are known."""
+    """Yields ``make(trainer)`` (a list of step batches) on each rank, built once the rank (and epoch) is known."""
 
-    def __init__(self, make: Callable[[int, int], list[StepBatch]]) -> None:
+    def __init__(self, make: Callable[[Trainer], list[StepBatch]]) -> None:
         super().__init__()
         self.make = make
 
     def train_dataloader(self) -> DataLoader:
-        batches = self.make(self.trainer.global_rank, self.trainer.world_size)
-        return DataLoader(_Batches(batches), batch_size=None)
+        return DataLoader(_Batches(self.make(self.trainer)), batch_size=None)

@@ -1,0 +1,85 @@
+"""DTAStrategy: registered on import, no wrapper, refuses set-ups whose gradients it would not sum correctly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
+
+import lightning_dta as dta
+from lightning_dta.step import _check_trainer, batch_tree, step_normalizer
+
+
+def test_import_registers_the_strategy_names() -> None:
+    for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn")):
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, dta.DTAStrategy) and strategy._start_method == start_method
+    dta.DTAStrategy.register_strategies(StrategyRegistry)  # importing twice (reload) must not raise
+
+
+def test_trainer_resolves_the_name_and_keeps_the_module_unwrapped(tmp_path: Path) -> None:
+    module = dta.DTAModule(tiny_llama())
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    assert isinstance(trainer.strategy, dta.DTAStrategy)
+    trainer.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
+    assert trainer.strategy.model is module  # no DistributedDataParallel around it
+
+
+def test_bucket_size_must_be_positive() -> None:
+    assert dta.DTAStrategy(bucket_mb=8).bucket_mb == 8.0
+    with pytest.raises(ValueError, match="bucket_mb"):
+        dta.DTAStrategy(bucket_mb=0)
+
+
+class AutomaticModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(2, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_automatic_optimization_is_refused(tmp_path: Path) -> None:
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+        trainer.fit(AutomaticModule(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2))
+
+
+def test_step_refuses_a_wrapped_module_and_loss_scaling() -> None:
+    module = object()
+    wrapped = SimpleNamespace(strategy=SimpleNamespace(model=torch.nn.Identity(), lightning_module=module),
+                              precision_plugin=SimpleNamespace())
+    with pytest.raises(RuntimeError, match="strategy='dta'"):
+        _check_trainer(wrapped)
+    scaled = SimpleNamespace(strategy=SimpleNamespace(model=module, lightning_module=module),
+                             precision_plugin=SimpleNamespace(scaler=object()))
+    with pytest.raises(RuntimeError, match="16-mixed"):
+        _check_trainer(scaled)
+    _check_trainer(SimpleNamespace(strategy=SimpleNamespace(model=module, lightning_module=module),
+                                   precision_plugin=SimpleNamespace(scaler=None)))
+
+
+def test_batch_tree_and_normalizer() -> None:
+    rollouts = grpo_rollouts()
+    batch = rank_batch(rollouts, 0, 1)
+    assert batch_tree(batch) is batch.tree and batch_tree(batch.tree) is batch.tree and batch_tree(None) is None
+    with pytest.raises(TypeError, match="StepBatch"):
+        batch_tree([1, 2])
+    trained = sum(sum(r.loss_mask[1:]) for r in rollouts)
+    assert step_normalizer(batch.tree, dta.PolicyLoss()) == trained
+    assert step_normalizer(None, dta.PolicyLoss()) == 0.0  # an empty rank adds nothing to the sum
+    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="seq-mean-token-mean")) == len(rollouts)
+    # "sum" has no normaliser: summing a 1 per rank would scale an N-rank gradient by 1/N
+    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="sum")) == 1.0
