@@ -1,0 +1,286 @@
+"""Cost model and partition of one optimizer step's rollouts across data-parallel ranks.
+
+A data-parallel step is as fast as its slowest rank, so the partition minimises the largest predicted rank
+cost. Every rank runs the same deterministic code on the same step and gets the same answer: no collective
+is needed to agree on who trains what.
+
+Cost model. The DFS engine forwards (and backwards) each tree token once, and a token at position ``p``
+attends to ``p + 1`` keys (its ancestors' cached keys and itself). A node covering positions
+``start .. end-1`` (``n = end - start`` tokens) therefore costs
+
+    n  +  attention_weight * sum_{p=start}^{end-1} (p + 1)  =  n + attention_weight * n * (start + end + 1) / 2
+
+and a tree costs the sum over its nodes. The first term is the token-linear work (projections, MLP, head);
+the second is attention. Per layer and token a transformer spends about ``24 d^2`` FLOPs in its linear
+layers (``~12 d^2`` weights, two FLOPs each) and ``4 d`` per attended key (``q.k`` and the weighted sum of
+``v``), so ``attention_weight ~ 4d / 24d^2 = 1 / (6 d)`` for hidden size ``d``: see
+:func:`attention_weight_for`. Kernels are not equally efficient on both terms; :func:`calibrate` fits the
+weight to measured step times instead.
+
+Two partitioners, both deterministic, both returning the rollout indices of each rank as sorted lists:
+
+- ``contiguous`` (the AReaL-DTA recipe, the default): rollouts in lexicographic (DFS) order, cut into
+  ``world_size`` contiguous pieces, the cut chosen by binary search on the cost threshold so that the
+  largest piece is as cheap as possible. Neighbours in that order share the longest prefixes, so a cut loses
+  little sharing, and a huge tree can be split across ranks.
+- ``greedy``: whole trees (the components under the virtual root) assigned largest first to the least loaded
+  rank (LPT). Sharing is kept in full, but one huge tree bounds the step time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lightning_dta.rollout import Rollout
+from lightning_dta.tree import PrefixTree, common_prefix_length
+
+
+def attention_weight_for(hidden_size: int) -> float:
+    """The attention coefficient of the cost model for a model of hidden size ``d``: ``1 / (6 d)``."""
+    if hidden_size <= 0:
+        raise ValueError(f"hidden_size={hidden_size} must be positive")
+    return 1.0 / (6.0 * hidden_size)
+
+
+DEFAULT_ATTENTION_WEIGHT = attention_weight_for(4096)
+"""The coefficient for a 7-8B model (hidden size 4096); attention then matters from a few thousand tokens on."""
+
+
+def segment_cost(start: int, end: int, attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> float:
+    """Cost of forwarding positions ``start .. end-1`` with the positions before them cached."""
+    n = end - start
+    return n + attention_weight * n * (start + end + 1) / 2
+
+
+def tree_cost(tree: PrefixTree, attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> float:
+    """Predicted cost of training ``tree`` with the DFS engine: the sum of its nodes' segment costs."""
+    return sum(segment_cost(node.start, node.end, attention_weight) for node in tree.iter_nodes())
+
+
+def attention_pairs(tree: PrefixTree) -> int:
+    """Number of (query, key) pairs the DFS engine computes: the attention term of the cost, unweighted."""
+    return sum(node.length * (node.start + node.end + 1) // 2 for node in tree.iter_nodes())
+
+
+def calibrate(trees: Sequence[PrefixTree], seconds: Sequence[float]) -> float:
+    """Fit ``attention_weight`` to measured times: ``seconds ~ a * tree_tokens + b * attention_pairs``.
+
+    A least-squares fit without intercept over trees of different shapes (vary depth as well as size, or the
+    two terms cannot be told apart); returns ``b / a``, the weight :func:`tree_cost` expects, clamped at 0.
+    Time each tree the way training runs it (same engine options, after warm-up).
+    """
+    if len(trees) != len(seconds):
+        raise ValueError(f"got {len(trees)} trees but {len(seconds)} times")
+    features = np.array([[tree.stats.tree_tokens, attention_pairs(tree)] for tree in trees], dtype=np.float64)
+    times = np.asarray(seconds, dtype=np.float64)
+    if len(trees) < 2 or np.linalg.matrix_rank(features) < 2:
+        raise ValueError("calibrate needs at least two trees whose token and attention-pair counts are not "
+                         "proportional (e.g. a shallow and a deep tree)")
+    (per_token, per_pair), *_ = np.linalg.lstsq(features, times, rcond=None)
+    if per_token <= 0:
+        raise ValueError(f"the fitted time per token is {per_token:.3g} <= 0: the times do not grow with the "
+                         "tokens (too noisy, or dominated by a fixed overhead); time larger trees")
+    return max(float(per_pair / per_token), 0.0)
+
+
+def _as_tree(rollouts: Sequence[Rollout] | PrefixTree) -> PrefixTree:
+    return rollouts if isinstance(rollouts, PrefixTree) else PrefixTree.from_rollouts(rollouts)
+
+
+@dataclass
+class _Chain:
+    """Rollouts in lexicographic order with each one's common prefix length with its predecessor.
+
+    For sorted sequences, the trie of any subset in that order holds ``sum(len - lcp with the previous member)``
+    tokens, and the lcp of two members is the minimum of the neighbour lcps between them. So one pass over the
+    chain prices any piece or rank without building its tree.
+    """
+
+    order: list[int]
+    lengths: list[int]
+    lcps: list[int]  # lcps[k]: common prefix of order[k-1] and order[k] (0 for k = 0)
+
+    @classmethod
+    def of(cls, tree: PrefixTree) -> _Chain:
+        order = tree.lexicographic_order()
+        arrays = [tree.token_tensors[r].numpy() for r in order]
+        lcps = [0] + [common_prefix_length(arrays[k - 1], arrays[k]) for k in range(1, len(order))]
+        return cls(order, [len(a) for a in arrays], lcps)
+
+
+def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
+                         attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+    """Cut the lexicographic order into ``world_size`` contiguous pieces with the smallest maximum cost.
+
+    Appending a rollout to a piece adds the cost of its positions ``lcp .. len-1`` (``lcp`` with the previous
+    rollout of the piece), and dropping a piece's first rollout never makes it dearer; so a greedy sweep
+    decides whether a threshold is feasible, and a binary search on the threshold finds the smallest one
+    (to a relative 1e-9). When fewer pieces than ranks would do, pieces are still split so that every rank
+    gets work while rollouts remain (the maximum stays the same; memory and the other ranks' time drop).
+
+    Args:
+        rollouts: the step's rollouts, or their :class:`PrefixTree` if it is already built.
+        world_size: number of data-parallel ranks.
+        attention_weight: the cost model's attention coefficient.
+
+    Returns:
+        For each rank, the sorted indices (into ``rollouts``) of its rollouts; a rank may get none.
+    """
+    _check_world_size(world_size)
+    tree = _as_tree(rollouts)
+    chain = _Chain.of(tree)
+    n = len(chain.order)
+    alone = [segment_cost(0, length, attention_weight) for length in chain.lengths]
+    added = [segment_cost(lcp, length, attention_weight) for lcp, length in zip(chain.lcps, chain.lengths)]
+
+    def cut(threshold: float, reserve: bool) -> list[int] | None:
+        """Piece end positions of the greedy sweep, or None if ``world_size`` pieces do not cover the chain."""
+        ends = []
+        pos = 0
+        for piece in range(world_size):
+            if pos < n:
+                cost = alone[pos]
+                pos += 1
+                reserved = world_size - piece - 1 if reserve else 0  # rollouts kept for the later ranks
+                while pos < n and n - pos > reserved and cost + added[pos] <= threshold:
+                    cost += added[pos]
+                    pos += 1
+            ends.append(pos)
+        return ends if pos == n else None
+
+    low, high = max(alone), sum(added)  # the dearest rollout alone / the whole step on one rank
+    if cut(low, reserve=False) is not None:
+        high = low
+    while high - low > 1e-9 * high:
+        middle = (low + high) / 2
+        if cut(middle, reserve=False) is None:
+            low = middle
+        else:
+            high = middle
+    ends = cut(high, reserve=True) or cut(high, reserve=False)
+    assert ends is not None  # `high` is feasible by construction
+    starts = [0] + ends[:-1]
+    return [sorted(chain.order[a:b]) for a, b in zip(starts, ends)]
+
+
+def partition_greedy(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
+                     attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+    """Assign whole trees, largest first, each to the currently least loaded rank (LPT scheduling).
+
+    Ties are broken by content (a tree's first token, which is distinct for every tree under the virtual root)
+    and then by the lower rank, so the result depends on the rollouts, not on their input order. With fewer
+    trees than ranks some ranks get nothing.
+
+    Returns:
+        For each rank, the sorted indices (into ``rollouts``) of its rollouts; a rank may get none.
+    """
+    _check_world_size(world_size)
+    tree = _as_tree(rollouts)
+    subtree_cost = [segment_cost(node.start, node.end, attention_weight) for node in tree.nodes]
+    for node in reversed(tree.nodes[1:]):  # pre-order: children come after their parents
+        subtree_cost[node.parent.index] += subtree_cost[node.index]
+    trees = sorted(tree.root.children, key=lambda top: (-subtree_cost[top.index], int(tree.tokens(top)[0])))
+    loads = [(0.0, rank) for rank in range(world_size)]
+    assignment: list[list[int]] = [[] for _ in range(world_size)]
+    for top in trees:
+        load, rank = heapq.heappop(loads)
+        assignment[rank].extend(top.rollouts)
+        heapq.heappush(loads, (load + subtree_cost[top.index], rank))
+    return [sorted(indices) for indices in assignment]
+
+
+PARTITIONERS: dict[str, Callable[..., list[list[int]]]] = {
+    "contiguous": partition_contiguous,
+    "greedy": partition_greedy,
+}
+
+
+def partition(rollouts: Sequence[Rollout] | PrefixTree, world_size: int, method: str = "contiguous",
+              attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+    """Split one step's rollouts across ``world_size`` ranks with the partitioner named ``method``."""
+    if method not in PARTITIONERS:
+        raise ValueError(f"partition method {method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+    return PARTITIONERS[method](rollouts, world_size, attention_weight)
+
+
+@dataclass
+class PartitionReport:
+    """What a partition predicts: per-rank cost and size, balance, and the sharing it kept."""
+
+    assignment: list[list[int]]
+    rank_costs: list[float]
+    rank_logical_tokens: list[int]
+    rank_tree_tokens: list[int]
+    step_cost: float  # the whole step on one rank
+    step_tree_tokens: int  # the whole step's tree, before the cut
+    lower_bound: float  # no partition can do better: max(step_cost / world_size, dearest single rollout)
+
+    @property
+    def max_cost(self) -> float:
+        return max(self.rank_costs)
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean of the rank costs (1.0 = perfectly balanced; empty ranks count as 0)."""
+        total = sum(self.rank_costs)
+        return self.max_cost * len(self.rank_costs) / total if total > 0 else 1.0
+
+    @property
+    def max_over_bound(self) -> float:
+        """The slowest rank's cost over :attr:`lower_bound` (1.0 = provably optimal)."""
+        return self.max_cost / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    @property
+    def compression_before(self) -> float:
+        """logical / tree tokens of the whole step."""
+        return sum(self.rank_logical_tokens) / max(self.step_tree_tokens, 1)
+
+    @property
+    def compression_after(self) -> float:
+        """logical / tree tokens summed over the ranks: the sharing the training actually exploits."""
+        return sum(self.rank_logical_tokens) / max(sum(self.rank_tree_tokens), 1)
+
+
+def partition_report(rollouts: Sequence[Rollout] | PrefixTree, assignment: Sequence[Sequence[int]],
+                     attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> PartitionReport:
+    """Price every rank of ``assignment`` (which must hold every rollout exactly once) without building trees."""
+    tree = _as_tree(rollouts)
+    n = len(tree.rollouts)
+    owner = [-1] * n
+    for rank, indices in enumerate(assignment):
+        for index in indices:
+            if not 0 <= index < n:
+                raise ValueError(f"rank {rank} holds rollout {index}, but the step has {n} rollouts")
+            if owner[index] != -1:
+                raise ValueError(f"rollout {index} is assigned to ranks {owner[index]} and {rank}")
+            owner[index] = rank
+    if -1 in owner:
+        raise ValueError(f"rollout {owner.index(-1)} is assigned to no rank")
+    world_size = len(assignment)
+    chain = _Chain.of(tree)
+    costs = [0.0] * world_size
+    logical = [0] * world_size
+    tree_tokens = [0] * world_size
+    last = [-1] * world_size  # chain position of each rank's previous rollout
+    for pos, (rollout, length) in enumerate(zip(chain.order, chain.lengths)):
+        rank = owner[rollout]
+        lcp = min(chain.lcps[last[rank] + 1:pos + 1]) if last[rank] >= 0 else 0
+        costs[rank] += segment_cost(lcp, length, attention_weight)
+        logical[rank] += length
+        tree_tokens[rank] += length - lcp
+        last[rank] = pos
+    step_cost = tree_cost(tree, attention_weight)
+    dearest = max(segment_cost(0, length, attention_weight) for length in chain.lengths)
+    return PartitionReport(
+        assignment=[list(indices) for indices in assignment], rank_costs=costs, rank_logical_tokens=logical,
+        rank_tree_tokens=tree_tokens, step_cost=step_cost, step_tree_tokens=tree.stats.tree_tokens,
+        lower_bound=max(step_cost / world_size, dearest))
+
+
+def _check_world_size(world_size: int) -> None:
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive int")
