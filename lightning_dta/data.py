@@ -1,0 +1,318 @@
+"""``RolloutDataModule``: rollouts in, one :class:`~lightning_dta.batch.StepBatch` per optimizer step out.
+
+Every rank reads the same steps, computes the same advantages over the whole step and the same partition,
+and keeps its own share. No ``DistributedSampler`` is involved: a sampler would give each rank different
+*steps*, while here every rank must see every step and differ only in its share of the rollouts.
+
+Sources (exactly one):
+
+- ``path``: a JSONL rollout file, cut into consecutive steps of ``rollouts_per_step`` rollouts (``None``: the
+  whole file is one step). A last, smaller chunk is kept as a smaller step, not dropped. With an advantage
+  estimator, a cut between two rollouts of the same ``group_id`` is refused: the group would be normalised in
+  two halves. One epoch is one pass over the steps (in a seeded random order with ``shuffle``).
+- ``source``: an iterable that yields one step at a time, each a sequence of :class:`~lightning_dta.Rollout`,
+  or a callable returning such an iterable (called once per epoch, so that a fresh pass can start; this is
+  where an online rollout generator plugs in). A plain iterator or generator object can be read once: one
+  epoch. Each step is validated when it arrives.
+
+Resuming. ``state_dict`` records the epoch and how many of its steps were trained; Lightning saves it in the
+checkpoint and a resumed run starts at the next step (an iterable source is re-read from the start of the
+epoch and the trained steps are skipped). Under a Trainer a step counts as trained when Lightning hands it
+to the training step (``on_before_batch_transfer``), so batches that Lightning prefetched but did not train
+are not counted; standalone, a step counts as soon as it is yielded.
+
+Device transfer. The datamodule's ``transfer_batch_to_device`` hands a ``StepBatch`` over unchanged: the
+tree's token tensors stay in host memory, where the engine indexes them cheaply, and the engine moves each
+segment's data to the model's device itself. (Lightning's default would rebuild the dataclass field by
+field.) If the LightningModule overrides the same hook, Lightning uses the datamodule's and warns.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_dta.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
+from lightning_dta.balance import DEFAULT_ATTENTION_WEIGHT, PARTITIONERS, partition, partition_report
+from lightning_dta.batch import StepBatch
+from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts
+from lightning_dta.tree import PrefixTree
+
+StepSource = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
+
+
+def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *,
+                    advantage_estimator: str | None = None, partition_method: str = "contiguous",
+                    attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> StepBatch:
+    """This rank's share of one step: advantages over the whole step, then the partition, then the rank's tree.
+
+    Deterministic: every rank calling it on the same step gets the same partition. The rollouts must already
+    be validated (the datamodule validates at its boundary).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
+    rollouts = estimate_advantages(rollouts, advantage_estimator)
+    step_tree = PrefixTree.from_rollouts(rollouts, validate=False)
+    assignment = partition(step_tree, world_size, partition_method, attention_weight)
+    report = partition_report(step_tree, assignment, attention_weight)
+    mine = assignment[rank]
+    return StepBatch(tree=step_tree.subset(mine) if mine else None, rank=rank, world_size=world_size,
+                     step_stats=step_tree.stats, rank_costs=report.rank_costs,
+                     partition_logical_tokens=report.rank_logical_tokens,
+                     partition_tree_tokens=report.rank_tree_tokens)
+
+
+@contextlib.contextmanager
+def _located(where: str) -> Iterator[None]:
+    """Prefix a RolloutError with the step it comes from: its index counts within that step."""
+    try:
+        yield
+    except RolloutError as error:
+        error.args = (f"{where}: {error.args[0]}",)
+        raise
+
+
+def _identity(batch: StepBatch) -> StepBatch:
+    return batch
+
+
+class _StepDataset(IterableDataset):
+    """One epoch of this rank's step batches; sized when the number of steps is known (file sources)."""
+
+    def __init__(self, datamodule: RolloutDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        return self.datamodule._iterate_epoch()
+
+    def __len__(self) -> int:
+        steps = self.datamodule.steps_per_epoch
+        if steps is None:  # Lightning's sized_len treats TypeError as "no length"
+            raise TypeError("the number of steps of an iterable source is not known in advance")
+        return steps
+
+
+class RolloutDataModule(L.LightningDataModule):
+    """Steps of rollouts for DFS tree training, partitioned across data-parallel ranks (see module docstring).
+
+    Args:
+        path: JSONL rollout file (one rollout per line).
+        source: alternatively, an iterable of steps (each a sequence of rollouts), or a callable returning one.
+        rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step.
+        advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
+            (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step.
+        partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
+        attention_weight: the cost model's attention coefficient (see ``lightning_dta.balance``).
+        shuffle: file sources only: visit the steps in a random order, a new one each epoch.
+        seed: the shuffle seed; it must be the same on every rank (all ranks must agree on the step).
+        max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
+        vocab_size, max_positions: the model's limits, checked on every rollout at the boundary.
+        rank, world_size: override the Trainer's ``global_rank`` / ``world_size`` (tests, custom launchers).
+            Without a Trainer and without overrides: rank 0 of 1.
+    """
+
+    def __init__(self, path: str | Path | None = None, source: StepSource | None = None,
+                 rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
+                 partition_method: str = "contiguous", attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+                 shuffle: bool = False, seed: int = 0, max_steps_per_epoch: int | None = None,
+                 vocab_size: int | None = None, max_positions: int | None = None, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        super().__init__()
+        if (path is None) == (source is None):
+            raise ValueError("give exactly one of `path` (a JSONL rollout file) and `source` (an iterable of steps)")
+        if source is not None and (rollouts_per_step is not None or shuffle):
+            raise ValueError("`rollouts_per_step` and `shuffle` apply to a `path` source; an iterable `source` "
+                             "yields whole steps in its own order")
+        if rollouts_per_step is not None and rollouts_per_step < 1:
+            raise ValueError(f"rollouts_per_step={rollouts_per_step} must be >= 1 (or None: one step per file)")
+        if max_steps_per_epoch is not None and max_steps_per_epoch < 1:
+            raise ValueError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
+        if advantage_estimator is not None and advantage_estimator not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(f"advantage_estimator={advantage_estimator!r} is unknown; choose one of "
+                             f"{sorted(ADVANTAGE_ESTIMATORS)} or None")
+        if partition_method not in PARTITIONERS:
+            raise ValueError(f"partition_method={partition_method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+        # Plain values only: checkpoints are loaded with torch.load(weights_only=True), which refuses a Path.
+        self.save_hyperparameters({
+            "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,
+            "advantage_estimator": advantage_estimator, "partition_method": partition_method,
+            "attention_weight": attention_weight, "shuffle": shuffle, "seed": seed,
+            "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions})
+        self.path = None if path is None else Path(path)
+        self.source = source
+        self.rollouts_per_step = rollouts_per_step
+        self.advantage_estimator = advantage_estimator
+        self.partition_method = partition_method
+        self.attention_weight = attention_weight
+        self.shuffle = shuffle
+        self.seed = seed
+        self.max_steps_per_epoch = max_steps_per_epoch
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self._rank = rank
+        self._world_size = world_size
+        self._steps: list[list[Rollout]] | None = None  # file source, loaded in setup()
+        # Progress: the epoch being trained and how many of its steps are done (`finished`: all of them).
+        self._epoch = 0
+        self._trained = 0
+        self._finished = False
+        self._epoch_end: int | None = None  # position where the current pass ended (known once it has)
+        self._pending: collections.deque[tuple[int, int]] = collections.deque()  # (epoch, position) handed out
+
+    # ------------------------------------------------------------------ rank and data
+
+    @property
+    def rank(self) -> int:
+        if self._rank is not None:
+            return self._rank
+        return self.trainer.global_rank if self.trainer is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        if self._world_size is not None:
+            return self._world_size
+        return self.trainer.world_size if self.trainer is not None else 1
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read and validate the file and estimate its advantages (every rank does: each needs every step)."""
+        if self.path is None or self._steps is not None:
+            return
+        rollouts = read_rollouts(self.path)
+        if self.vocab_size is not None or self.max_positions is not None:
+            validate_rollouts(rollouts, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        size = self.rollouts_per_step or len(rollouts)
+        if self.advantage_estimator is not None:
+            for cut in range(size, len(rollouts), size):
+                group = rollouts[cut].group_id
+                if group is not None and rollouts[cut - 1].group_id == group:
+                    raise RolloutError(cut, "group_id", f"group {group!r} is split between steps {cut // size - 1} "
+                                       f"and {cut // size} (rollouts_per_step={size}), so its advantages would be "
+                                       "estimated in two halves", "make rollouts_per_step a multiple of the "
+                                       "group size, or keep each group's rollouts together in the file")
+        steps = []
+        for number, start in enumerate(range(0, len(rollouts), size)):
+            step = rollouts[start:start + size]
+            with _located(f"step {number} of {self.path} (rollouts {start}-{start + len(step) - 1} of the file)"):
+                steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
+        self._steps = steps
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Number of steps in one epoch (``None`` for an iterable source: unknown in advance)."""
+        if self.source is not None:
+            return None
+        self.setup()
+        assert self._steps is not None
+        steps = len(self._steps)
+        return steps if self.max_steps_per_epoch is None else min(steps, self.max_steps_per_epoch)
+
+    def train_dataloader(self) -> DataLoader:
+        """A loader of this rank's ``StepBatch`` objects: no batching, no collation, no worker processes.
+
+        It wraps an ``IterableDataset``, so Lightning never injects a ``DistributedSampler`` (whatever
+        ``use_distributed_sampler`` says). Lightning warns that an ``IterableDataset`` has ``__len__`` (it is
+        exact here: there are no workers) and that the loader has few workers (building a step is cheap
+        next to training it); both warnings are expected.
+        """
+        self.setup()
+        return DataLoader(_StepDataset(self), batch_size=None, collate_fn=_identity, num_workers=0)
+
+    # ------------------------------------------------------------------ iteration
+
+    def _step_rollouts(self, epoch: int) -> Iterator[tuple[str, list[Rollout]]]:
+        """The steps of one epoch from its start, each with a label for error messages, validated."""
+        if self.source is None:
+            assert self._steps is not None
+            order = np.arange(len(self._steps))
+            if self.shuffle:  # the same permutation on every rank: it depends only on (seed, epoch)
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self._steps))
+            yield from ((f"step {i} of {self.path}", self._steps[i]) for i in order)
+            return
+        steps = self.source() if callable(self.source) else self.source
+        for number, step in enumerate(steps):
+            if isinstance(step, Rollout):
+                raise TypeError("the source yielded a single Rollout; it must yield one sequence of rollouts per "
+                                "step (group a flat stream into steps first)")
+            step = list(step)
+            label = f"step {number} of the source (epoch {epoch})"
+            with _located(label):
+                validate_rollouts(step, vocab_size=self.vocab_size, max_positions=self.max_positions)
+            yield label, step
+
+    def _iterate_epoch(self) -> Iterator[StepBatch]:
+        """Yield this rank's batches from the first untrained step of the current epoch to its end."""
+        known_end = self.steps_per_epoch
+        if self._finished or (known_end is not None and self._trained >= known_end):
+            self._epoch, self._trained = self._epoch + 1, 0
+        epoch, start = self._epoch, self._trained
+        self._epoch_end = known_end
+        self._update_finished()
+        self._pending.clear()
+        rank, world_size = self.rank, self.world_size
+        steps = itertools.islice(self._step_rollouts(epoch), self.max_steps_per_epoch)
+        end = start
+        estimator = self.advantage_estimator if self.source is not None else None  # a file's are estimated
+        for position, (label, rollouts) in enumerate(itertools.islice(steps, start, None), start=start):
+            with _located(label):
+                batch = make_step_batch(rollouts, rank, world_size, advantage_estimator=estimator,
+                                        partition_method=self.partition_method,
+                                        attention_weight=self.attention_weight)
+            end = position + 1
+            if self.trainer is None:
+                self._trained = end  # standalone: handed out = trained
+            else:
+                self._pending.append((epoch, position))
+            yield batch
+        if end == 0:
+            raise RuntimeError(f"the source yielded no step in epoch {epoch}. A generator or iterator can be read "
+                               "only once: pass a callable that returns a fresh iterable for each epoch, or train "
+                               "for one epoch (e.g. Trainer(max_epochs=1))")
+        self._epoch_end = end  # now known for an iterable source too
+        self._update_finished()
+
+    def _update_finished(self) -> None:
+        self._finished = self._epoch_end is not None and self._trained >= self._epoch_end
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Count the step as trained: Lightning hands it to the training step now (prefetched ones wait)."""
+        if isinstance(batch, StepBatch) and self._pending:
+            epoch, position = self._pending.popleft()
+            if epoch == self._epoch:
+                self._trained = position + 1
+                self._update_finished()
+        return batch
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Leave a ``StepBatch`` on the host: the engine moves each segment's data to the model's device."""
+        if isinstance(batch, StepBatch):
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The epoch and the number of its steps already trained (Lightning stores it in checkpoints)."""
+        return {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
+                "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume: the next epoch iterated starts at the first step not yet trained."""
+        if state_dict.get("steps_per_epoch") != self.steps_per_epoch or state_dict.get("seed") != self.seed:
+            warnings.warn(f"resuming RolloutDataModule from a state with steps_per_epoch="
+                          f"{state_dict.get('steps_per_epoch')} and seed={state_dict.get('seed')}, but now "
+                          f"steps_per_epoch={self.steps_per_epoch} and seed={self.seed}: the steps skipped on "
+                          "resume may not be the ones trained before", stacklevel=2)
+        self._epoch = int(state_dict["epoch"])
+        self._trained = int(state_dict["trained_steps"])
+        self._finished = bool(state_dict["epoch_finished"])
+        self._pending.clear()
