@@ -1,0 +1,112 @@
+"""The ``lightning-dta`` command: the shipped configs parse, tiny_cpu trains on 1 and 2 CPU processes."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import lightning_dta as dta
+from lightning_dta import cli
+from lightning_dta.data import make_step_batch
+from lightning_dta.rollout import read_rollouts
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+GPU_CONFIGS = [c for c in CONFIGS if "gpu" in c.name]
+EXECUTABLE = Path(sys.executable).parent / "lightning-dta"  # the console script of [project.scripts]
+THROUGHPUT = ("throughput/logical_tokens_per_sec", "throughput/tree_tokens_per_sec", "throughput/compression_ratio",
+              "throughput/step_time_sec", "throughput/logical_tokens_per_sec_window")
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LightningCLI warns when pytest's own arguments sit in ``sys.argv`` next to ``args=``."""
+    monkeypatch.setattr(sys, "argv", ["lightning-dta"])
+
+
+def run_cli(tmp_path: Path, *overrides: str) -> list[dict[str, float]]:
+    """Run ``lightning-dta fit --config configs/tiny_cpu.yaml`` and return the metric rows of its CSV log."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml",
+           f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (metrics,) = tmp_path.glob("tiny_cpu/version_*/metrics.csv")
+    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(open(metrics))]
+
+
+def step_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Lightning writes one CSV row per step (all metrics logged at that step merged)."""
+    return sorted((r for r in rows if "train/loss" in r), key=lambda r: r["step"])
+
+
+def test_fit_tiny_cpu(tmp_path: Path) -> None:
+    rows = step_rows(run_cli(tmp_path, "--trainer.max_steps=3"))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows:
+        for key in (*THROUGHPUT, "memory/cpu_peak_rss_gib", "train/clip_fraction", "train/approx_kl",
+                    "train/entropy", "train/logical_tokens", "train/tree_tokens", "train/compression_ratio"):
+            assert key in row, key
+        assert row["throughput/logical_tokens_per_sec"] > 0 and row["memory/cpu_peak_rss_gib"] > 0
+
+
+def test_fit_tiny_cpu_on_two_processes(tmp_path: Path) -> None:
+    rows = step_rows(run_cli(tmp_path, "--trainer.devices=2", "--trainer.max_steps=2"))
+    assert len(rows) == 2
+    steps = read_rollouts(REPO / "data" / "tiny_rollouts.jsonl")
+    for number, row in enumerate(rows):  # the file's steps in order (no shuffle), 16 rollouts each
+        whole = make_step_batch(steps[16 * number:16 * (number + 1)], 0, 1, advantage_estimator="grpo").step_stats
+        # both ranks' tokens are counted: the step's logical tokens over the slowest rank's time
+        tokens = row["throughput/logical_tokens_per_sec"] * row["throughput/step_time_sec"]
+        assert tokens == pytest.approx(whole.logical_tokens, rel=1e-5)
+        assert row["train/logical_tokens"] == whole.logical_tokens
+        assert row["train/num_rollouts"] == 16
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.cli_main(["fit", "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "strategy: dta" in printed and "lightning_dta.callbacks.TreeThroughputMonitor" in printed
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.stem for c in GPU_CONFIGS])
+def test_gpu_config_instantiates_without_downloading(config: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    def no_download(*args, **kwargs):
+        raise AssertionError("the model must be loaded in configure_model, not when the config is parsed")
+
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_download)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    parsed = cli.cli_main(["--config", str(config), "--trainer.accelerator=cpu", "--trainer.devices=1",
+                           "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}",
+                           f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
+    module = parsed.model
+    assert isinstance(module, dta.DTAModule) and module.model is None
+    assert module.hparams["model"].startswith("Qwen/Qwen3-")
+    assert module.model_kwargs == {"dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
+    assert module.engine_kwargs["activation"] == "recompute"
+    assert parsed.config["trainer"]["precision"] == "32-true"  # the override; the file says bf16-true
+    assert "bf16-true" in config.read_text()
+
+
+def test_bench_subcommand_is_dispatched(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    fake = types.ModuleType("fake_bench_cli")
+    fake.main = calls.append
+    monkeypatch.setitem(sys.modules, "fake_bench_cli", fake)
+    monkeypatch.setattr(cli, "BENCH_MODULE", "fake_bench_cli")
+    cli.main(["bench", "--steps", "3"])
+    assert calls == [["--steps", "3"]]
+    monkeypatch.setattr(cli, "BENCH_MODULE", "lightning_dta.no_such_bench.cli")
+    with pytest.raises(SystemExit, match="not installed"):
+        cli.main(["bench"])
