@@ -45,7 +45,7 @@ class TreeNode:
                 f"children={len(self.children)}, rollouts={len(self.rollouts)})")
 
 
-@dataclass(frozen=True)
+@dataclass
 class TreeStats:
     """Size of a tree. ``compression_ratio`` bounds the speed-up of token-linear compute."""
 

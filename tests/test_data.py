@@ -248,10 +248,6 @@ def test_step_batch_stays_on_the_host_through_the_transfer_hook():
     assert dm.transfer_batch_to_device(batch, torch.device("cpu"), 0) is batch
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="TreeStats is a frozen dataclass inside StepBatch, and "
-                   "Lightning's apply_to_collection refuses frozen dataclasses: precision plugins that convert the "
-                   "input (64-true, 16-true, bf16-true) fail before any hook. Remove this xfail once TreeStats is "
-                   "not frozen (lightning_dta/tree.py).")
 def test_step_batch_survives_precision_input_conversion():
     from lightning.pytorch.plugins.precision import DoublePrecision
 
