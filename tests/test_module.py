@@ -16,9 +16,11 @@ from lightning_helpers import TINY_LLAMA, StepBatchData, grpo_rollouts, rank_bat
 from transformers import LlamaForCausalLM
 
 import lightning_dta as dta
+from lightning_dta.data import RolloutDataModule
 from lightning_dta.module import build_causal_lm
 
 LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
+DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 
 
 def trainer(tmp_path: Path, max_steps: int, **kwargs) -> L.Trainer:
@@ -82,26 +84,37 @@ def test_one_device_step_equals_hand_written_step_and_logs(tmp_path: Path) -> No
         assert key in logged
 
 
-def _resume_run(tmp_path: Path, max_steps: int, ckpt: Path | None = None, save: Path | None = None) -> dict:
+def _epoch_batches() -> StepBatchData:
+    """A custom loader with one step per epoch and new data each epoch (resume at an epoch boundary)."""
+    return StepBatchData(lambda t: [rank_batch(grpo_rollouts(seed=t.current_epoch), 0, 1)])
+
+
+def _rollout_file() -> RolloutDataModule:
+    """The real datamodule, 8 shuffled steps per epoch (resume in the middle of an epoch)."""
+    return RolloutDataModule(path=DATA, rollouts_per_step=8, advantage_estimator="grpo", shuffle=True, seed=3)
+
+
+def _resume_run(tmp_path: Path, data, max_steps: int, ckpt: Path | None = None, save: Path | None = None) -> dict:
     """AdamW + a warm-up schedule, so a resume that lost optimizer or scheduler state gives another step 2."""
     torch.manual_seed(0)
-    module = dta.DTAModule(TINY_LLAMA, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+    config = {**TINY_LLAMA, "vocab_size": 256, "max_position_embeddings": 512}  # the rollout file's limits
+    module = dta.DTAModule(config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
                            lr_scheduler=functools.partial(torch.optim.lr_scheduler.LinearLR, start_factor=0.1,
                                                           total_iters=4), gradient_clip_val=1.0, **LOSS)
-    data = StepBatchData(lambda t: [rank_batch(grpo_rollouts(seed=t.current_epoch), 0, 1)])  # new data each epoch
     fit = trainer(tmp_path, max_steps, reload_dataloaders_every_n_epochs=1)
-    fit.fit(module, data, ckpt_path=ckpt)
+    fit.fit(module, data(), ckpt_path=ckpt)
     if save is not None:
         fit.save_checkpoint(save)
     assert fit.global_step == max_steps
     return {n: p.detach().clone() for n, p in module.model.named_parameters()}
 
 
-def test_checkpoint_resume_gives_the_uninterrupted_step(tmp_path: Path) -> None:
-    uninterrupted = _resume_run(tmp_path / "a", 2)
+@pytest.mark.parametrize("data", [_epoch_batches, _rollout_file], ids=["epoch-boundary", "mid-epoch-datamodule"])
+def test_checkpoint_resume_gives_the_uninterrupted_step(tmp_path: Path, data) -> None:
+    uninterrupted = _resume_run(tmp_path / "a", data, 2)
     ckpt = tmp_path / "step1.ckpt"
-    after_one = _resume_run(tmp_path / "b", 1, save=ckpt)
-    resumed = _resume_run(tmp_path / "c", 2, ckpt=ckpt)
+    after_one = _resume_run(tmp_path / "b", data, 1, save=ckpt)
+    resumed = _resume_run(tmp_path / "c", data, 2, ckpt=ckpt)
     assert any(not torch.equal(after_one[n], uninterrupted[n]) for n in uninterrupted)  # step 2 did something
     for name, weight in uninterrupted.items():
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
