@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import ModelInfo, forward_segment, score
+from lightning_dta.engine.forward import ModelInfo, forward_segment, row_logits, score
 from lightning_dta.engine.path_kv import PathKV
 from lightning_dta.engine.step_data import Segment, StepData
 from lightning_dta.losses import PolicyLoss
@@ -121,8 +121,9 @@ class DFSExecutor:
         columns = torch.unique(torch.cat([seg.columns for *_, seg in rows]))
         past, leaves_kv = self.kv.past(start, requires_grad=True, batch=len(rows))
         logits, _ = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, columns)
-        loss = sum(self._loss(logits[i, torch.searchsorted(columns, seg.columns).to(logits.device)], seg)
-                   for i, (*_, seg) in enumerate(rows))
+        segments = [seg for *_, seg in rows]
+        per_row = row_logits(logits, columns, [seg.columns for seg in segments])
+        loss = sum(self._loss(row, seg) for row, seg in zip(per_row, segments))
         loss.backward()
         self.kv.collect(start, leaves_kv)
 

@@ -141,3 +141,18 @@ def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, co
     if columns is not None and not info.logits_to_keep:
         logits = logits[:, columns.to(logits.device)]
     return logits
+
+
+def row_logits(logits: torch.Tensor, columns: torch.Tensor, row_columns: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each row's logits ``[C_i, V]`` at its own columns (a subset of the batch's sorted ``columns``).
+
+    Rows are separated with ``unbind`` so that backward assembles one gradient for the batch instead of a
+    full-size zero buffer per row (which plain indexing would allocate, quadratic in the batch size).
+    """
+    out = []
+    for row, cols in zip(logits.unbind(0), row_columns):
+        if cols.numel() == columns.numel():
+            out.append(row)
+        else:
+            out.append(row.index_select(0, torch.searchsorted(columns, cols).to(row.device)))
+    return out

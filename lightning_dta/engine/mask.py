@@ -75,13 +75,11 @@ def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: Ste
         logits = forward_plain(model, info, input_ids, columns, position_ids=positions[None].to(info.device),
                                attention_mask=mask.to(info.device))[0]
         loss = 0.0
-        first = 0
-        for _, seg in rows:
-            width = seg.columns.numel()
-            logp, entropy = score(logits[first:first + width], seg.targets, step.dtype, True,
-                                  loss_fn.needs_entropy_grad)
+        # split, not slices: backward assembles one gradient buffer instead of a full-size one per node
+        per_node = torch.split(logits, [seg.columns.numel() for _, seg in rows])
+        for node_logits, (_, seg) in zip(per_node, rows):
+            logp, entropy = score(node_logits, seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
             loss = loss + loss_fn(logp, entropy, seg.data, sums)
-            first += width
         loss.backward()
         total += loss.detach()
     return total

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import ModelInfo, forward_plain, score
+from lightning_dta.engine.forward import ModelInfo, forward_plain, row_logits, score
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.tree import PrefixTree
@@ -48,9 +48,9 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
         logits = forward_plain(model, info, input_ids.to(info.device), columns,
                                attention_mask=attention_mask.to(info.device))
         loss = 0.0
-        for i, (_, seg) in enumerate(rows):
-            logp, entropy = score(logits[i, torch.searchsorted(columns, seg.columns).to(logits.device)],
-                                  seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
+        segments = [seg for _, seg in rows]
+        for row, seg in zip(row_logits(logits, columns, [seg.columns for seg in segments]), segments):
+            logp, entropy = score(row, seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
             loss = loss + loss_fn(logp, entropy, seg.data, sums)
         loss.backward()
         total += loss.detach()
