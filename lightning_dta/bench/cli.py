@@ -1,0 +1,222 @@
+"""``lightning-dta bench``: every training mode on the same model and the same rollouts, side by side.
+
+The default run (a 4-layer, 256-wide Llama on the CPU; GRPO, multi-turn agent and tree-search steps) takes
+about two minutes on two cores and prints a table; ``--out DIR`` also writes ``bench.json`` and the PNG
+plots. Timings are medians of round-robin repeats; each row carries its gradient error against the
+per-rollout baseline so that a fast but wrong mode shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from lightning_dta.bench import report
+from lightning_dta.bench.model import build_model
+from lightning_dta.bench.runner import run_logprob_modes, run_training_modes, training_modes
+from lightning_dta.bench.workloads import (
+    AgentWorkload,
+    FileWorkload,
+    GRPOWorkload,
+    LongSequenceWorkload,
+    TreeSearchWorkload,
+)
+from lightning_dta.engine import tree_backward
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.memory import SavedTensorMeter
+from lightning_dta.tree import PrefixTree
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _pair(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    return int(low), int(high or low)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dta bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--workloads", default="grpo,agent,tree-search",
+                      help="comma-separated: grpo, agent, tree-search (a --rollouts-file adds 'file')")
+    what.add_argument("--rollouts-file", default=None, help="also benchmark the rollouts of this JSONL file")
+    what.add_argument("--modes", default="vanilla,vanilla-batched,mask,dfs,dfs-recompute",
+                      help="training modes to compare (vanilla is always run: it is the baseline)")
+    what.add_argument("--no-logprobs", action="store_true", help="skip forward-only tree_logprobs vs per-rollout")
+    what.add_argument("--memory-leaves", default="4,8,16,32", type=_ints,
+                      help="leaf counts for the peak-memory-vs-leaves sweep (empty string: skip)")
+    what.add_argument("--long-len", default=3072, type=int,
+                      help="rollout length for the chunked-recompute memory check (0: skip)")
+    what.add_argument("--repeats", default=3, type=int, help="timed repeats per mode (round-robin)")
+    what.add_argument("--warmup", default=1, type=int, help="untimed passes per mode before timing")
+    what.add_argument("--seed", default=0, type=int, help="seed of the workload generators and the model")
+    model = parser.add_argument_group("model (a Llama built from a config; random weights)")
+    model.add_argument("--layers", default=4, type=int)
+    model.add_argument("--hidden", default=256, type=int)
+    model.add_argument("--heads", default=4, type=int)
+    model.add_argument("--kv-heads", default=None, type=int)
+    model.add_argument("--intermediate", default=None, type=int, help="MLP width (default 8/3 x hidden)")
+    model.add_argument("--vocab", default=2048, type=int,
+                       help="vocabulary; 2048 puts the LM head at ~17%% of the body's FLOPs, as in 2-8B models")
+    model.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    model.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
+    engine = parser.add_argument_group("engine options")
+    engine.add_argument("--chunk-size", default=256, type=int, help="chunk size of dfs-recompute")
+    engine.add_argument("--leaf-batch-tokens", default=4096, type=int, help="dfs sibling-leaf batch budget (0: off)")
+    engine.add_argument("--vanilla-batch-tokens", default=4096, type=int, help="token budget of vanilla-batched")
+    sizes = parser.add_argument_group("workload sizes")
+    sizes.add_argument("--grpo-prompts", default=2, type=int)
+    sizes.add_argument("--grpo-group", default=8, type=int)
+    sizes.add_argument("--grpo-prompt-len", default=(380, 420), type=_pair, help="min,max")
+    sizes.add_argument("--grpo-response-len", default=(64, 192), type=_pair, help="min,max")
+    sizes.add_argument("--agent-episodes", default=2, type=int)
+    sizes.add_argument("--agent-turns", default=5, type=int)
+    sizes.add_argument("--agent-system-len", default=1024, type=int)
+    sizes.add_argument("--agent-thinking-len", default=(60, 200), type=_pair, help="min,max")
+    sizes.add_argument("--tree-prompt-len", default=256, type=int)
+    sizes.add_argument("--tree-branching", default=(3, 3, 2), type=_ints, help="children per level")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", default=None, help="directory for bench.json and the PNG plots")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--threads", default=None, type=int, help="torch.set_num_threads")
+    out.add_argument("--no-progress", action="store_true")
+    return parser
+
+
+def _workloads(args: argparse.Namespace) -> dict[str, object]:
+    available = {
+        "grpo": GRPOWorkload(args.grpo_prompts, args.grpo_group, args.grpo_prompt_len, args.grpo_response_len),
+        "agent": AgentWorkload(args.agent_episodes, args.agent_turns, args.agent_system_len,
+                               thinking_len=args.agent_thinking_len),
+        "tree-search": TreeSearchWorkload(args.tree_prompt_len, args.tree_branching),
+    }
+    chosen = {}
+    for name in [w for w in args.workloads.split(",") if w]:
+        if name not in available:
+            raise SystemExit(f"unknown workload {name!r}; choose from {sorted(available)}")
+        chosen[name] = available[name]
+    if args.rollouts_file:
+        chosen["file"] = FileWorkload(args.rollouts_file)
+    return chosen
+
+
+def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, leaf_batch_tokens: int | None
+                    ) -> list[dict]:
+    """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
+    out = []
+    for n in leaves:
+        tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
+        for mode, kwargs in {"dfs": dict(mode="dfs", leaf_batch_tokens=leaf_batch_tokens),
+                             "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}.items():
+            model.zero_grad(set_to_none=True)
+            with SavedTensorMeter(model) as meter:
+                tree_backward(model, tree, PolicyLoss(), **kwargs)
+            out.append({"mode": mode, "leaves": n, "peak_saved_mib": meter.peak_bytes / 2**20})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tqdm import tqdm
+
+    model = build_model(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
+                        dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn, seed=args.seed)
+    config = model.config
+    leaf_budget = args.leaf_batch_tokens or None
+    all_modes = training_modes(args.chunk_size, leaf_budget, args.vanilla_batch_tokens)
+    wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
+    unknown = wanted - set(all_modes)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(all_modes)}")
+    modes = {name: kwargs for name, kwargs in all_modes.items() if name in wanted}
+    loss_fn = PolicyLoss()
+    workloads = _workloads(args)
+    total = len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
+    bar = tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr)
+
+    def progress(message: str) -> None:
+        bar.set_postfix_str(message)
+        bar.update(1)
+
+    all_rows = []
+    for name, workload in workloads.items():
+        tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed), vocab_size=config.vocab_size,
+                                        max_positions=config.max_position_embeddings)
+        trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
+        limit = report.flop_speedup_limit([(n.start, n.length) for n in tree.iter_nodes()],
+                                          [len(t) for t in tree.token_tensors], trained, config.hidden_size,
+                                          config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+        bar.set_description(f"bench {name}")
+        results = run_training_modes(model, tree, loss_fn, modes, args.repeats, args.warmup, progress)
+        if not args.no_logprobs:
+            results.update(run_logprob_modes(model, tree, args.repeats, progress))
+        rows = report.rows(name, tree.stats, results, limit)
+        for row in rows:  # logprob rows compare against the per-rollout forward, not the training baseline
+            if row["mode"] == "logprobs-tree":
+                base = results["logprobs-vanilla"].median
+                row["speedup"] = base / row["median_s"]
+                row["efficiency"] = row["speedup"] / row["compression"]
+            elif row["mode"] == "logprobs-vanilla":
+                row["speedup"], row["efficiency"] = 1.0, 1.0 / row["compression"]
+        all_rows += rows
+    memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, leaf_budget) \
+        if args.memory_leaves else []
+    long_rows = []
+    if args.long_len:
+        long_tree = PrefixTree.from_rollouts(LongSequenceWorkload(1, args.long_len).generate(config.vocab_size,
+                                                                                            args.seed))
+        for mode, kwargs in {"vanilla": dict(mode="vanilla"), "dfs": dict(mode="dfs"),
+                             "dfs-recompute": dict(mode="dfs", activation="recompute", chunk_size=args.chunk_size)
+                             }.items():
+            model.zero_grad(set_to_none=True)
+            with SavedTensorMeter(model) as meter:
+                tree_backward(model, long_tree, PolicyLoss(), **kwargs)
+            long_rows.append({"mode": mode, "tokens": args.long_len, "peak_saved_mib": meter.peak_bytes / 2**20})
+        model.zero_grad(set_to_none=True)
+    bar.close()
+
+    print(f"model: Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
+          f"{args.dtype} on {args.device}; torch {torch.__version__}; {torch.get_num_threads()} threads")
+    print(report.table(all_rows))
+    if memory_scaling:
+        print("\npeak bytes saved for backward (MiB) vs leaves per prompt (400-token prompt, 128-token responses):")
+        for mode in ("dfs", "mask", "vanilla"):
+            values = [f"{m['leaves']}: {m['peak_saved_mib']:.1f}" for m in memory_scaling if m["mode"] == mode]
+            print(f"  {mode:<8} " + "  ".join(values))
+    if long_rows:
+        base = long_rows[0]["peak_saved_mib"]
+        print(f"\none {args.long_len}-token rollout, peak bytes saved for backward:")
+        for row in long_rows:
+            print(f"  {row['mode']:<14} {row['peak_saved_mib']:8.1f} MiB  ({row['peak_saved_mib'] / base:.2f} of "
+                  "per-rollout)")
+    if args.out:
+        out_dir = Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        meta = {"date": datetime.date.today().isoformat(), "argv": list(argv or sys.argv[1:]),
+                "machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "device": args.device, "long_sequence": long_rows}
+        report.write_json(out_dir / "bench.json", meta, all_rows, memory_scaling)
+        written = [out_dir / "bench.json"]
+        if not args.no_plots:
+            written += report.plot(out_dir, all_rows, memory_scaling)
+        print("\nwrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""Turning measurements into the terminal table, the JSON record and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lightning_dta.bench.runner import BASELINE, ModeResult
+from lightning_dta.tree import TreeStats
+
+
+def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[int], trained_tokens: int,
+                       hidden: int, layers: int, intermediate: int, vocab: int) -> float:
+    """The speed-up that perfect kernels would give: per-rollout FLOPs / tree FLOPs.
+
+    Linear layers scale with tokens (logical vs tree), attention with (query, key) pairs (per-rollout causal
+    squares vs each node's queries against its prefix), and the LM head with trained tokens, which the tree
+    does not share. ``tree_stats_nodes`` holds each node's ``(start, length)``.
+    """
+    linear = layers * (4 * hidden * hidden + 3 * hidden * intermediate)
+    attention = layers * 2 * hidden
+    head = hidden * vocab
+    vanilla_pairs = sum(n * (n + 1) / 2 for n in lengths)
+    tree_pairs = sum(length * (start + (length + 1) / 2) for start, length in tree_stats_nodes)
+    vanilla = sum(lengths) * linear + vanilla_pairs * attention + trained_tokens * head
+    tree = sum(length for _, length in tree_stats_nodes) * linear + tree_pairs * attention + trained_tokens * head
+    return vanilla / tree
+
+
+def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None) -> list[dict]:
+    base = results[BASELINE].median if BASELINE in results else None
+    out = []
+    for name, r in results.items():
+        speedup = base / r.median if base else None
+        out.append({
+            "workload": workload,
+            "mode": name,
+            "compression": stats.compression_ratio,
+            "rollouts": stats.num_rollouts,
+            "logical_tokens": stats.logical_tokens,
+            "tree_tokens": stats.tree_tokens,
+            "median_s": r.median,
+            "min_s": r.spread[0],
+            "max_s": r.spread[1],
+            "logical_tokens_per_s": stats.logical_tokens / r.median,
+            "speedup": speedup,
+            "efficiency": speedup / stats.compression_ratio if speedup else None,
+            "flop_speedup_limit": flop_limit,
+            "grad_rel_error": r.grad_rel_error,
+            "peak_saved_mib": r.peak_saved_bytes / 2**20 if r.peak_saved_bytes is not None else None,
+            "peak_rss_growth_mib": r.peak_rss_growth_bytes / 2**20 if r.peak_rss_growth_bytes is not None else None,
+            "cuda_peak_mib": r.cuda_peak_bytes / 2**20 if r.cuda_peak_bytes is not None else None,
+        })
+    return out
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(all_rows: list[dict]) -> str:
+    header = (f"{'workload':<12} {'mode':<17} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
+              f"{'speedup':>7} {'eff':>5} {'flop lim':>8} {'grad err':>9} {'saved MiB':>9} {'rss MiB':>8} "
+              f"{'cuda MiB':>8}")
+    lines = [header, "-" * len(header)]
+    for r in all_rows:
+        lines.append(
+            f"{r['workload']:<12} {r['mode']:<17} {r['compression']:>5.2f} {r['median_s']:>9.3f} "
+            f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['logical_tokens_per_s']:>8.0f} {_fmt(r['speedup'], '.2f'):>7} "
+            f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['flop_speedup_limit'], '.2f'):>8} "
+            f"{_fmt(r['grad_rel_error'], '.1e'):>9} {_fmt(r['peak_saved_mib'], '.1f'):>9} "
+            f"{_fmt(r['peak_rss_growth_mib'], '.0f'):>8} {_fmt(r['cuda_peak_mib'], '.0f'):>8}")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, meta: dict, all_rows: list[dict], memory_scaling: list[dict]) -> None:
+    path.write_text(json.dumps({"meta": meta, "results": all_rows, "memory_scaling": memory_scaling}, indent=2))
+
+
+def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> list[Path]:
+    """speed-up vs C across workloads, and peak saved memory vs number of leaves (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    modes = sorted({r["mode"] for r in all_rows if r["speedup"] is not None and not r["mode"].startswith("logprobs")})
+    for mode in modes:
+        pts = [(r["compression"], r["speedup"], r["workload"]) for r in all_rows if r["mode"] == mode]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=mode)
+    limit = max((r["compression"] for r in all_rows), default=1.0) * 1.1
+    ax.plot([1, limit], [1, limit], "k--", linewidth=1, label="speed-up = C")
+    for r in all_rows:
+        if r["mode"] == "dfs":
+            ax.annotate(r["workload"], (r["compression"], r["speedup"]), fontsize=8)
+    ax.set_xlabel("compression ratio C (logical / tree tokens)")
+    ax.set_ylabel("speed-up over per-rollout training")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / "speedup_vs_compression.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    if memory_scaling:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for mode in sorted({m["mode"] for m in memory_scaling}):
+            pts = sorted((m["leaves"], m["peak_saved_mib"]) for m in memory_scaling if m["mode"] == mode)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_xlabel("leaves (responses per prompt)")
+        ax.set_ylabel("peak bytes saved for backward (MiB)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        paths.append(out_dir / "memory_vs_leaves.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,138 @@
+"""Seeded workload generators with the shapes of real RL post-training steps.
+
+Token ids are random (the model is random too); what matters for speed is the tree shape: which tokens are
+shared, which are trained, and how long each piece is.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from lightning_dta.rollout import Rollout, read_rollouts
+
+
+def _tokens(rng: random.Random, vocab: int, length: int) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def _length(rng: random.Random, bounds: tuple[int, int]) -> int:
+    return rng.randint(bounds[0], bounds[1])
+
+
+def _logprobs(rng: random.Random, n: int) -> list[float]:
+    return [0.0] + [-rng.uniform(0.05, 4.0) for _ in range(n - 1)]
+
+
+@dataclass
+class GRPOWorkload:
+    """Groups of sampled responses that share their prompt (one level of sharing)."""
+
+    num_prompts: int = 2
+    group_size: int = 8
+    prompt_len: tuple[int, int] = (380, 420)
+    response_len: tuple[int, int] = (64, 192)
+
+    def generate(self, vocab: int, seed: int) -> list[Rollout]:
+        rng = random.Random(seed)
+        rollouts = []
+        for group in range(self.num_prompts):
+            prompt = _tokens(rng, vocab, _length(rng, self.prompt_len))
+            for _ in range(self.group_size):
+                response = _tokens(rng, vocab, _length(rng, self.response_len))
+                ids = prompt + response
+                rollouts.append(Rollout(input_ids=ids, loss_mask=[0] * len(prompt) + [1] * len(response),
+                                        advantages=rng.gauss(0.0, 1.0), old_logprobs=_logprobs(rng, len(ids)),
+                                        reward=rng.random(), group_id=group))
+        return rollouts
+
+
+@dataclass
+class AgentWorkload:
+    """Multi-turn agent episodes where every LLM call is a rollout with its full context.
+
+    Call ``k`` sees the system prompt, the task, and turns ``1..k-1`` with their *answers* but without their
+    *thinking* (dropped from later history, as reasoning models do), then produces thinking and an answer.
+    Calls of one episode share the history; episodes share the system prompt. This is the shape behind the
+    reference system's 9.43x compression on tau^2-bench.
+    """
+
+    num_episodes: int = 2
+    turns: int = 5
+    system_len: int = 1024
+    task_len: tuple[int, int] = (40, 120)
+    observation_len: tuple[int, int] = (40, 160)
+    thinking_len: tuple[int, int] = (60, 200)
+    answer_len: tuple[int, int] = (20, 60)
+
+    def generate(self, vocab: int, seed: int) -> list[Rollout]:
+        rng = random.Random(seed)
+        system = _tokens(rng, vocab, self.system_len)
+        rollouts = []
+        for episode in range(self.num_episodes):
+            history = system + _tokens(rng, vocab, _length(rng, self.task_len))
+            for turn in range(self.turns):
+                if turn > 0:
+                    history = history + _tokens(rng, vocab, _length(rng, self.observation_len))
+                thinking = _tokens(rng, vocab, _length(rng, self.thinking_len))
+                answer = _tokens(rng, vocab, _length(rng, self.answer_len))
+                ids = history + thinking + answer
+                mask = [0] * len(history) + [1] * (len(thinking) + len(answer))
+                rollouts.append(Rollout(input_ids=ids, loss_mask=mask, advantages=rng.gauss(0.0, 1.0),
+                                        old_logprobs=_logprobs(rng, len(ids)), group_id=episode))
+                history = history + answer  # the next call sees the answer, not the thinking
+        return rollouts
+
+
+@dataclass
+class TreeSearchWorkload:
+    """Rollouts that branch at several depths (tree search / multi-sample continuation)."""
+
+    prompt_len: int = 256
+    branching: tuple[int, ...] = (3, 3, 2)
+    segment_len: tuple[int, int] = (32, 96)
+
+    def generate(self, vocab: int, seed: int) -> list[Rollout]:
+        rng = random.Random(seed)
+        prompt = _tokens(rng, vocab, self.prompt_len)
+        paths = [prompt]
+        for width in self.branching:
+            paths = [p + _tokens(rng, vocab, _length(rng, self.segment_len)) for p in paths for _ in range(width)]
+        rollouts = []
+        for ids in paths:
+            mask = [0] * self.prompt_len + [1] * (len(ids) - self.prompt_len)
+            rollouts.append(Rollout(input_ids=ids, loss_mask=mask, advantages=rng.gauss(0.0, 1.0),
+                                    old_logprobs=_logprobs(rng, len(ids))))
+        return rollouts
+
+
+@dataclass
+class FileWorkload:
+    """Rollouts read from a user's JSONL file."""
+
+    path: str
+
+    def generate(self, vocab: int, seed: int) -> list[Rollout]:
+        return read_rollouts(self.path)
+
+
+@dataclass
+class LongSequenceWorkload:
+    """A few long rollouts with no sharing, for the memory of chunked recompute vs per-rollout training."""
+
+    num_rollouts: int = 2
+    length: int = 3072
+
+    def generate(self, vocab: int, seed: int) -> list[Rollout]:
+        rng = random.Random(seed)
+        return [Rollout(input_ids=_tokens(rng, vocab, self.length), advantages=rng.gauss(0.0, 1.0))
+                for _ in range(self.num_rollouts)]
+
+
+WORKLOADS: dict[str, Callable[[], object]] = {
+    "grpo": GRPOWorkload,
+    "agent": AgentWorkload,
+    "tree-search": TreeSearchWorkload,
+    "long": LongSequenceWorkload,
+}
