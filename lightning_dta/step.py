@@ -85,7 +85,7 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Polic
 
     Call it on every rank, also on one with ``tree=None``: it still joins each collective. The gradients
     already in ``.grad`` are summed over ranks too, so zero them first. ``engine_kwargs`` go to
-    :func:`~lightning_dta.tree_backward` (``activation``, ``chunk_size``, ``leaf_batch_tokens``, ...).
+    :func:`~lightning_dta.tree_backward` (``activation``, ``chunk_size``, ``sibling_batch_tokens``, ...).
     """
     loss_fn = loss_fn or PolicyLoss()
     device = collective_device(model)

@@ -25,11 +25,11 @@ ENGINE_CONFIGS = {
     "vanilla": dict(mode="vanilla"),
     "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=64),
     "dfs-keep": dict(mode="dfs"),
-    "dfs-keep-nobatch-treeorder": dict(mode="dfs", leaf_batch_tokens=None, order="tree"),
+    "dfs-keep-nobatch-treeorder": dict(mode="dfs", sibling_batch_tokens=None, order="tree"),
     "dfs-keep-chunk": dict(mode="dfs", chunk_size=3),
     "dfs-recompute": dict(mode="dfs", activation="recompute"),
     "dfs-recompute-chunk": dict(mode="dfs", activation="recompute", chunk_size=4),
-    "dfs-recompute-chunk1": dict(mode="dfs", activation="recompute", chunk_size=1, leaf_batch_tokens=16),
+    "dfs-recompute-chunk1": dict(mode="dfs", activation="recompute", chunk_size=1, sibling_batch_tokens=16),
     "mask": dict(mode="mask"),
     "mask-capped": dict(mode="mask", mask_max_tokens=30),
 }

@@ -36,8 +36,8 @@ def model():
     return make_model("llama")
 
 
-@pytest.mark.parametrize("options", [dict(leaf_batch_tokens=None), dict(leaf_batch_tokens=48),
-                                     dict(activation="recompute", chunk_size=16, leaf_batch_tokens=24)])
+@pytest.mark.parametrize("options", [dict(sibling_batch_tokens=None), dict(sibling_batch_tokens=48),
+                                     dict(activation="recompute", chunk_size=16, sibling_batch_tokens=24)])
 def test_dfs_peak_does_not_grow_with_leaves(model, options):
     peaks = {n: peak_saved_bytes(model, grpo_tree(n), mode="dfs", **options) for n in (4, 8, 16)}
     assert peaks[4] > 0
@@ -50,7 +50,7 @@ def test_dfs_peak_does_not_grow_with_leaves(model, options):
 def test_mask_peak_grows_with_leaves(model):
     peaks = {n: peak_saved_bytes(model, grpo_tree(n), mode="mask") for n in (4, 8, 16)}
     assert peaks[4] < peaks[8] < peaks[16], f"mask peak should grow with packed tokens: {peaks}"
-    dfs = peak_saved_bytes(model, grpo_tree(16), mode="dfs", leaf_batch_tokens=None)
+    dfs = peak_saved_bytes(model, grpo_tree(16), mode="dfs", sibling_batch_tokens=None)
     assert dfs < peaks[16] / 2
 
 

@@ -48,7 +48,7 @@ def test_dropout_with_recompute_is_refused():
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="tree"), dict(activation="lazy"), dict(chunk_size=0),
-                                    dict(order="random"), dict(leaf_batch_tokens=0)])
+                                    dict(order="random"), dict(sibling_batch_tokens=0)])
 def test_bad_options_are_refused(kwargs):
     with pytest.raises(ValueError):
         dta.tree_backward(make_model("llama"), tiny_tree(), **kwargs)

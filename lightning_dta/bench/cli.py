@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
     engine = parser.add_argument_group("engine options")
     engine.add_argument("--chunk-size", default=256, type=int, help="chunk size of dfs-recompute")
-    engine.add_argument("--leaf-batch-tokens", default=4096, type=int, help="dfs sibling-leaf batch budget (0: off)")
+    engine.add_argument("--sibling-batch-tokens", default=4096, type=int, help="dfs sibling batch budget (0: off)")
     engine.add_argument("--vanilla-batch-tokens", default=4096, type=int, help="token budget of vanilla-batched")
     sizes = parser.add_argument_group("workload sizes")
     sizes.add_argument("--grpo-prompts", default=2, type=int)
@@ -112,13 +112,13 @@ def _workloads(args: argparse.Namespace) -> dict[str, object]:
     return chosen
 
 
-def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, leaf_batch_tokens: int | None
+def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None
                     ) -> list[dict]:
     """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
     out = []
     for n in leaves:
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
-        for mode, kwargs in {"dfs": dict(mode="dfs", leaf_batch_tokens=leaf_batch_tokens),
+        for mode, kwargs in {"dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
                              "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}.items():
             model.zero_grad(set_to_none=True)
             with SavedTensorMeter(model) as meter:
@@ -137,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = build_model(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
                         dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn, seed=args.seed)
     config = model.config
-    leaf_budget = args.leaf_batch_tokens or None
-    all_modes = training_modes(args.chunk_size, leaf_budget, args.vanilla_batch_tokens)
+    sibling_budget = args.sibling_batch_tokens or None
+    all_modes = training_modes(args.chunk_size, sibling_budget, args.vanilla_batch_tokens)
     wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
     unknown = wanted - set(all_modes)
     if unknown:
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif row["mode"] == "logprobs-vanilla":
                 row["speedup"], row["efficiency"] = 1.0, 1.0 / row["compression"]
         all_rows += rows
-    memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, leaf_budget) \
+    memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, sibling_budget) \
         if args.memory_leaves else []
     long_rows = []
     if args.long_len:

@@ -23,15 +23,15 @@ from lightning_dta.tree import PrefixTree
 BASELINE = "vanilla"
 
 
-def training_modes(chunk_size: int, leaf_batch_tokens: int | None, vanilla_batch_tokens: int) -> dict[str, dict]:
+def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int) -> dict[str, dict]:
     """The modes compared, as ``tree_backward`` keyword arguments."""
     return {
         "vanilla": dict(mode="vanilla"),
         "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=vanilla_batch_tokens),
         "mask": dict(mode="mask"),
-        "dfs": dict(mode="dfs", leaf_batch_tokens=leaf_batch_tokens),
+        "dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
         "dfs-recompute": dict(mode="dfs", activation="recompute", chunk_size=chunk_size,
-                              leaf_batch_tokens=leaf_batch_tokens),
+                              sibling_batch_tokens=sibling_batch_tokens),
     }
 
 

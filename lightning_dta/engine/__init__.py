@@ -35,7 +35,7 @@ class TreeBackwardOutput:
 
 
 def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None = None, mode: str = "dfs", *,
-                  activation: str = "keep", chunk_size: int | None = None, leaf_batch_tokens: int | None = 4096,
+                  activation: str = "keep", chunk_size: int | None = None, sibling_batch_tokens: int | None = 4096,
                   order: str = "leaves-first", normalizer: float | None = None, mask_max_tokens: int | None = None,
                   vanilla_batch_tokens: int | None = None) -> TreeBackwardOutput:
     """Add the gradient of the policy loss over every rollout of ``tree`` to the parameters' ``.grad``.
@@ -48,8 +48,8 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
         activation: dfs only. ``"keep"`` keeps each segment's graph until it is popped; ``"recompute"`` pushes
             without a graph and re-forwards each segment with grad when it is popped.
         chunk_size: dfs only. Split segments into chunks of at most this many tokens (``None``: no split).
-        leaf_batch_tokens: dfs only. Sibling leaves are forwarded as one padded batch of at most this many
-            tokens (rows x longest row); ``None`` visits each leaf alone.
+        sibling_batch_tokens: dfs only. Sibling segments are forwarded as one padded batch of at most this many
+            tokens (rows x longest row); ``None`` forwards each child alone.
         order: dfs only. ``"leaves-first"`` (leaf children, then subtrees from the smallest) or ``"tree"``.
         normalizer: the step's loss normaliser (see ``PolicyLoss.normalizer``); ``None`` uses this tree's own.
             A distributed step passes the sum over all ranks so that every rank's gradient shares one scale.
@@ -59,7 +59,7 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
     loss_fn = loss_fn or PolicyLoss()
-    options = DFSOptions(activation=activation, chunk_size=chunk_size, leaf_batch_tokens=leaf_batch_tokens,
+    options = DFSOptions(activation=activation, chunk_size=chunk_size, sibling_batch_tokens=sibling_batch_tokens,
                          order=order)
     info = inspect_model(model)
     if mode == "dfs" and activation == "recompute" and info.has_active_dropout:
@@ -80,8 +80,8 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
 
 
 def tree_logprobs(model: nn.Module, tree: PrefixTree, *, chunk_size: int | None = None,
-                  leaf_batch_tokens: int | None = 4096) -> list[torch.Tensor]:
+                  sibling_batch_tokens: int | None = 4096) -> list[torch.Tensor]:
     """Forward only: one 1-D tensor per rollout (input order); entry ``t-1`` is ``log p(x_t | x_<t)``."""
     info = inspect_model(model)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
-    return tree_logprobs_walk(model, info, tree, chunk_size, leaf_batch_tokens)
+    return tree_logprobs_walk(model, info, tree, chunk_size, sibling_batch_tokens)

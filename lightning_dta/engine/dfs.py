@@ -6,6 +6,11 @@ the gradients that all its descendants sent to its keys/values. Long segments ar
 most ``chunk_size`` tokens, which is exactly "pop back to front in chunks". Under ``activation="recompute"``
 the push runs without a graph and the pop re-forwards the segment with grad, so memory holds the path's
 keys/values and their gradients plus one segment's activations.
+
+Siblings are pushed together: up to ``sibling_batch_tokens`` tokens of a node's children go through one
+padded forward over the shared prefix (the prefix keys/values are expanded, not copied per child), then each
+child's subtree is walked in turn with that child's keys/values on the path, and the batch is popped with one
+backward. Fewer, larger calls keep the hardware busy; memory grows by at most one batch per tree level.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ class DFSOptions:
 
     activation: str = "keep"
     chunk_size: int | None = None
-    leaf_batch_tokens: int | None = 4096
+    sibling_batch_tokens: int | None = 4096
     order: str = "leaves-first"
 
     def __post_init__(self) -> None:
@@ -39,36 +44,39 @@ class DFSOptions:
             raise ValueError(f"activation={self.activation!r}; choose one of {ACTIVATIONS}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"chunk_size={self.chunk_size}; use None (no chunking) or a positive int")
-        if self.leaf_batch_tokens is not None and self.leaf_batch_tokens < 1:
-            raise ValueError(f"leaf_batch_tokens={self.leaf_batch_tokens}; use None (no batching) or a positive int")
+        if self.sibling_batch_tokens is not None and self.sibling_batch_tokens < 1:
+            raise ValueError(f"sibling_batch_tokens={self.sibling_batch_tokens}; use None (no batching) or a "
+                             "positive int")
         if self.order not in ORDERS:
             raise ValueError(f"order={self.order!r}; choose one of {ORDERS}")
 
 
-def chunk_bounds(node: TreeNode, chunk_size: int | None) -> list[tuple[int, int]]:
-    """Split a node's positions into consecutive chunks of at most ``chunk_size`` tokens."""
-    if chunk_size is None or node.length <= chunk_size:
-        return [(node.start, node.end)]
-    return [(a, min(a + chunk_size, node.end)) for a in range(node.start, node.end, chunk_size)]
+def chunk_end(node: TreeNode, start: int, chunk_size: int | None) -> int:
+    """End of the chunk of ``node`` that begins at ``start`` (chunks hold at most ``chunk_size`` tokens)."""
+    return node.end if chunk_size is None else min(start + chunk_size, node.end)
 
 
 def order_children(node: TreeNode, order: str) -> list[TreeNode]:
-    """Leaf children first (they are batched and freed at once), then subtrees from the smallest up."""
+    """Leaf children first (they are freed at once), then subtrees from the smallest up."""
     if order == "tree":
         return list(node.children)
     return sorted(node.children, key=lambda c: (not c.is_leaf, c.length if c.is_leaf else len(c.rollouts)))
 
 
-def batch_leaves(leaves: list[TreeNode], budget: int | None) -> list[list[TreeNode]]:
-    """Group sibling leaves (sorted by length) so that rows x longest row stays within ``budget`` tokens."""
+def batch_by_budget(items: list, length, budget: int | None) -> list[list]:
+    """Group items in order so that rows x longest row stays within ``budget`` tokens (one item at least)."""
     if budget is None:
-        return [[leaf] for leaf in leaves]
-    batches: list[list[TreeNode]] = []
-    for leaf in sorted(leaves, key=lambda n: n.length):
-        if batches and (len(batches[-1]) + 1) * leaf.length <= budget:
-            batches[-1].append(leaf)
+        return [[item] for item in items]
+    batches: list[list] = []
+    longest = 0
+    for item in items:
+        size = length(item)
+        if batches and (len(batches[-1]) + 1) * max(longest, size) <= budget:
+            batches[-1].append(item)
+            longest = max(longest, size)
         else:
-            batches.append([leaf])
+            batches.append([item])
+            longest = size
     return batches
 
 
@@ -96,67 +104,81 @@ class DFSExecutor:
         self.total_loss += loss.detach()
         return loss
 
-    def _visit_children(self, node: TreeNode) -> None:
-        children = order_children(node, self.options.order)
-        batchable = [c for c in children if c.is_leaf and len(chunk_bounds(c, self.options.chunk_size)) == 1]
-        for batch in batch_leaves(batchable, self.options.leaf_batch_tokens):
-            self._visit_leaves([(leaf, leaf.start, leaf.end) for leaf in batch])
-        batched = {id(c) for c in batchable}
-        for child in children:
-            if id(child) not in batched:
-                self._visit(child, chunk_bounds(child, self.options.chunk_size), 0)
+    def _has_children(self, node: TreeNode, end: int) -> bool:
+        return end < node.end or not node.is_leaf
 
-    def _visit_leaves(self, items: list[tuple[TreeNode, int, int]]) -> None:
-        """Visit leaf segments ``(node, a, b)`` that share a prefix of length ``a``: one padded forward over
-        the prefix's keys/values, loss, and backward at once."""
-        rows = [(node, a, b, self.step.segment(node.rollouts, a, b - a)) for node, a, b in items]
-        rows = [row for row in rows if not row[3].empty]
-        if not rows:
-            return  # nothing in these leaves is trained: they send no gradient
-        start = rows[0][1]
-        width = max(b - a for _, a, b, _ in rows)
-        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
-        for i, (node, a, b, _) in enumerate(rows):  # right padding never reaches real tokens (causal)
-            input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
-        columns = torch.unique(torch.cat([seg.columns for *_, seg in rows]))
-        past, leaves_kv = self.kv.past(start, requires_grad=True, batch=len(rows))
-        logits, _ = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, columns)
-        segments = [seg for *_, seg in rows]
-        per_row = row_logits(logits, columns, [seg.columns for seg in segments])
-        loss = sum(self._loss(row, seg) for row, seg in zip(per_row, segments))
-        loss.backward()
-        self.kv.collect(start, leaves_kv)
-
-    def _visit(self, node: TreeNode, chunks: list[tuple[int, int]], index: int) -> None:
-        a, b = chunks[index]
-        has_children = index + 1 < len(chunks) or not node.is_leaf
-        if not has_children:
-            self._visit_leaves([(node, a, b)])
-            return
-        segment = self.step.segment(node.rollouts, a, b - a)
-        tokens = self.tree.tokens(node)[a - node.start:b - node.start][None].to(self.info.device)
-        keep = self.options.activation == "keep"
-        loss, new_kv, leaves_kv = self._push(tokens, a, segment, with_grad=keep)
-        if index + 1 < len(chunks):
-            self._visit(node, chunks, index + 1)
+    def _descend(self, node: TreeNode, end: int) -> None:
+        """Walk what lies below the chunk of ``node`` that ends at ``end``: its next chunk, or its children."""
+        if end < node.end:
+            self._visit_batch([(node, end, chunk_end(node, end, self.options.chunk_size))])
         else:
             self._visit_children(node)
-        if not keep:  # pop: re-forward the segment with grad, behind the children
-            loss, new_kv, leaves_kv = self._push(tokens, a, segment, with_grad=True, write=False)
-        outputs = [t for pair in new_kv for t in pair]
-        grads = self.kv.grads(a, b)
+
+    def _visit_children(self, node: TreeNode) -> None:
+        chunk = self.options.chunk_size
+        items = [(c, c.start, chunk_end(c, c.start, chunk)) for c in order_children(node, self.options.order)]
+        if self.options.activation == "recompute":  # leaves need grad at once, inner nodes only at their pop
+            groups = [[i for i in items if not self._has_children(i[0], i[2])],
+                      [i for i in items if self._has_children(i[0], i[2])]]
+        else:
+            groups = [items]
+        for group in groups:
+            if self.options.order == "leaves-first":
+                group = sorted(group, key=lambda item: item[2] - item[1])  # similar lengths: little padding
+            for batch in batch_by_budget(group, lambda item: item[2] - item[1], self.options.sibling_batch_tokens):
+                self._visit_batch(batch)
+
+    def _forward(self, items: list[tuple[TreeNode, int, int]], segments: list[Segment], with_grad: bool):
+        """One padded forward of sibling segments over their shared prefix; loss only when ``with_grad``."""
+        start = items[0][1]
+        width = max(b - a for _, a, b in items)
+        input_ids = torch.zeros(len(items), width, dtype=torch.long)
+        for i, (node, a, b) in enumerate(items):  # right padding never reaches real tokens (causal attention)
+            input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
+        columns = torch.unique(torch.cat([seg.columns for seg in segments])) if with_grad else torch.zeros(0)
+        with torch.set_grad_enabled(with_grad):
+            past, leaves_kv = self.kv.past(start, requires_grad=with_grad, batch=len(items))
+            logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past,
+                                             columns.long())
+            loss = None
+            if with_grad:
+                per_row = row_logits(logits, columns, [seg.columns for seg in segments])
+                losses = [self._loss(row, seg) for row, seg in zip(per_row, segments) if not seg.empty]
+                loss = sum(losses) if losses else None
+        return loss, new_kv, leaves_kv
+
+    def _visit_batch(self, items: list[tuple[TreeNode, int, int]]) -> None:
+        """Push sibling segments together, walk each one's subtree, then pop them with one backward."""
+        segments = [self.step.segment(node.rollouts, a, b - a) for node, a, b in items]
+        inner = [self._has_children(node, b) for node, _, b in items]
+        if not any(inner):  # leaves whose tokens are all untrained send no gradient anywhere: skip them
+            kept = [(item, seg) for item, seg in zip(items, segments) if not seg.empty]
+            if not kept:
+                return
+            items, segments = [k[0] for k in kept], [k[1] for k in kept]
+            inner = [False] * len(items)
+        start = items[0][1]
+        keep = self.options.activation == "keep" or not any(inner)
+        loss, new_kv, leaves_kv = self._forward(items, segments, with_grad=keep)
+        kv_grads = None
+        if any(inner):
+            kv_grads = [torch.zeros_like(t) for pair in new_kv for t in pair]
+            for row, ((node, a, b), has_children) in enumerate(zip(items, inner)):
+                if not has_children:
+                    continue
+                self.kv.write(a, [(k[row:row + 1, :, :b - a], v[row:row + 1, :, :b - a]) for k, v in new_kv])
+                self._descend(node, b)
+                for grad, path_grad in zip(kv_grads, self.kv.grads(a, b)):
+                    grad[row:row + 1, :, :b - a] = path_grad
+            if not keep:  # pop: re-forward the batch with grad, behind the subtrees
+                loss, new_kv, leaves_kv = self._forward(items, segments, with_grad=True)
+        outputs, grads = [], []
+        if kv_grads is not None:
+            outputs += [t for pair in new_kv for t in pair]
+            grads += kv_grads
         if loss is not None:
             outputs.append(loss)
             grads.append(None)
-        torch.autograd.backward(outputs, grads)
-        self.kv.collect(a, leaves_kv)
-
-    def _push(self, tokens: torch.Tensor, start: int, segment: Segment, with_grad: bool, write: bool = True):
-        with torch.set_grad_enabled(with_grad):
-            past, leaves_kv = self.kv.past(start, requires_grad=with_grad)
-            columns = segment.columns if with_grad else segment.columns[:0]
-            logits, new_kv = forward_segment(self.model, self.info, tokens, start, past, columns)
-            loss = self._loss(logits[0], segment) if with_grad and not segment.empty else None
-        if write:
-            self.kv.write(start, new_kv)
-        return loss, new_kv, leaves_kv
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+        self.kv.collect(start, leaves_kv)

@@ -1,7 +1,7 @@
 """Forward-only tree walk: the log-prob of every token of every rollout, each shared token computed once.
 
 Used for reference-model and proximal/old log-probs, which RL recomputes every step. No graph is kept; the
-path's keys/values live in the same preallocated buffers as in training, and sibling leaves are batched.
+path's keys/values live in the same preallocated buffers as in training, and siblings are batched.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.engine.dfs import batch_leaves, chunk_bounds
+from lightning_dta.engine.dfs import batch_by_budget, chunk_end
 from lightning_dta.engine.forward import ModelInfo, forward_segment, loss_dtype
 from lightning_dta.engine.path_kv import PathKV
 from lightning_dta.engine.step_data import StepData
@@ -18,9 +18,9 @@ from lightning_dta.tree import PrefixTree, TreeNode
 
 class LogprobWalk:
     def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, chunk_size: int | None,
-                 leaf_batch_tokens: int | None) -> None:
+                 sibling_batch_tokens: int | None) -> None:
         self.model, self.info, self.tree = model, info, tree
-        self.chunk_size, self.leaf_batch_tokens = chunk_size, leaf_batch_tokens
+        self.chunk_size, self.sibling_batch_tokens = chunk_size, sibling_batch_tokens
         self.step = StepData(tree)
         self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=False)
         lengths = self.step.lengths
@@ -46,31 +46,31 @@ class LogprobWalk:
         self.out[index[valid].to(self.out.device)] = logp[valid.to(logp.device)]
 
     def _visit_children(self, node: TreeNode) -> None:
-        leaves = [c for c in node.children if c.is_leaf and len(chunk_bounds(c, self.chunk_size)) == 1]
-        for batch in batch_leaves(leaves, self.leaf_batch_tokens):
-            start = batch[0].start
-            width = max(leaf.length for leaf in batch)
-            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
-            for i, leaf in enumerate(batch):
-                input_ids[i, :leaf.length] = self.tree.tokens(leaf)
-            past, _ = self.kv.past(start, requires_grad=False, batch=len(batch))
-            logits, _ = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, None)
-            for i, leaf in enumerate(batch):
-                self._record(logits[i, :leaf.length], leaf.rollouts, start, leaf.length)
-        batched = {id(c) for c in leaves}
-        for child in node.children:
-            if id(child) in batched:
-                continue
-            for a, b in chunk_bounds(child, self.chunk_size):
-                tokens = self.tree.tokens(child)[a - child.start:b - child.start][None].to(self.info.device)
-                past, _ = self.kv.past(a, requires_grad=False)
-                logits, new_kv = forward_segment(self.model, self.info, tokens, a, past, None)
-                self._record(logits[0], child.rollouts, a, b - a)
-                self.kv.write(a, new_kv)
-            self._visit_children(child)
+        items = sorted(((c, c.start, chunk_end(c, c.start, self.chunk_size)) for c in node.children),
+                       key=lambda item: item[2] - item[1])
+        for batch in batch_by_budget(items, lambda item: item[2] - item[1], self.sibling_batch_tokens):
+            self._visit_batch(batch)
+
+    def _visit_batch(self, items: list[tuple[TreeNode, int, int]]) -> None:
+        start = items[0][1]
+        width = max(b - a for _, a, b in items)
+        input_ids = torch.zeros(len(items), width, dtype=torch.long)
+        for i, (node, a, b) in enumerate(items):
+            input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
+        past, _ = self.kv.past(start, requires_grad=False, batch=len(items))
+        logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, None)
+        for row, (node, a, b) in enumerate(items):
+            self._record(logits[row, :b - a], node.rollouts, a, b - a)
+        for row, (node, a, b) in enumerate(items):
+            if b < node.end or not node.is_leaf:
+                self.kv.write(a, [(k[row:row + 1, :, :b - a], v[row:row + 1, :, :b - a]) for k, v in new_kv])
+                if b < node.end:
+                    self._visit_batch([(node, b, chunk_end(node, b, self.chunk_size))])
+                else:
+                    self._visit_children(node)
 
 
 def tree_logprobs_walk(model: nn.Module, info: ModelInfo, tree: PrefixTree, chunk_size: int | None,
-                       leaf_batch_tokens: int | None) -> list[torch.Tensor]:
+                       sibling_batch_tokens: int | None) -> list[torch.Tensor]:
     with torch.no_grad():
-        return LogprobWalk(model, info, tree, chunk_size, leaf_batch_tokens).run()
+        return LogprobWalk(model, info, tree, chunk_size, sibling_batch_tokens).run()
