@@ -14,7 +14,7 @@ from lightning_dta.tree import PrefixTree, TreeNode, TreeStats
 __version__ = "0.1.0"
 
 # The Lightning side. Lightning finds no third-party strategy by itself, so importing the package registers
-# the strategy names "dta" and "dta_spawn" (as Lightning's own strategies do in `register_strategies`).
+# the strategy names "dta", "dta_spawn" and "dta_fork" (as Lightning's own strategies do in `register_strategies`).
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_dta.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402

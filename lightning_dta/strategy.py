@@ -14,8 +14,9 @@ unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) reli
 
 On a single device no process group is created at all and every collective is a no-op, so ``devices=1`` runs
 the same code. Lightning finds no third-party strategy by itself, so ``import lightning_dta`` registers the
-names ``"dta"`` (subprocess launcher, as ``"ddp"``; for scripts and the CLI) and ``"dta_spawn"`` (spawned
-processes, as ``"ddp_spawn"``; for code that cannot be re-run once per rank, such as tests).
+names ``"dta"`` (subprocess launcher, as ``"ddp"``; for scripts and the CLI), ``"dta_spawn"`` (spawned
+processes, as ``"ddp_spawn"``; for code that cannot be re-run once per rank) and ``"dta_fork"`` (forked
+processes, as ``"ddp_notebook"``; for notebooks, CPU or before CUDA is initialised).
 """
 
 from __future__ import annotations
@@ -66,10 +67,23 @@ class DTAStrategy(DDPStrategy):
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb = float(bucket_mb)
 
+    @property
+    def _single_process(self) -> bool:
+        return self.num_nodes * self.num_processes <= 1
+
+    def _configure_launcher(self) -> None:
+        """No launcher for a single process. Lightning's subprocess launcher would otherwise export
+        ``LOCAL_RANK``/``MASTER_PORT`` into this process's environment even for one device, and a later
+        multi-process Trainer (or Accelerate) in the same interpreter would read them as "launched externally"."""
+        if self._single_process:
+            self._launcher = None
+            return
+        super()._configure_launcher()
+
     def setup_distributed(self) -> None:
         """Create the process group, except on a single process where every collective is a no-op anyway
         (no port to bind, nothing to tear down)."""
-        if self.num_nodes * self.num_processes <= 1 and not dist.is_initialized():
+        if self._single_process and not dist.is_initialized():
             self.set_world_ranks()
             return
         super().setup_distributed()
@@ -108,7 +122,7 @@ class DTAStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn")):
+        for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn"), ("dta_fork", "fork")):
             if name not in strategy_registry:
                 strategy_registry.register(
                     name, cls, description=f"DFS prefix-tree training, start_method '{start_method}'",

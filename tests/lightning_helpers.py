@@ -6,6 +6,7 @@ Imported by the tests and by ``dist_worker.py`` (which the tests run as a multi-
 from __future__ import annotations
 
 import copy
+import os
 import random
 from collections.abc import Callable, Sequence
 
@@ -19,6 +20,18 @@ from lightning_dta.batch import StepBatch
 VOCAB = 128
 TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                    "MASTER_PORT")
+
+
+def clean_env() -> dict[str, str]:
+    """The environment for a test's subprocess that launches its own ranks: without launch variables that an
+    earlier in-process run (Lightning's launcher, Accelerate) may have exported, whose port may be in use."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = "1"  # two processes on two cores
+    return env
 
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import csv
-import os
 import subprocess
 import sys
 import types
 from pathlib import Path
 
 import pytest
+from lightning_helpers import clean_env
 
 import lightning_dta as dta
 from lightning_dta import cli
@@ -32,8 +32,7 @@ def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run_cli(tmp_path: Path, *overrides: str) -> list[dict[str, float]]:
     """Run ``lightning-dta fit --config configs/tiny_cpu.yaml`` and return the metric rows of its CSV log."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = clean_env()
     cmd = [str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import functools
+import os
 from pathlib import Path
 
 import lightning as L
@@ -63,9 +64,11 @@ def test_one_device_step_equals_hand_written_step_and_logs(tmp_path: Path) -> No
                            gradient_clip_val=0.05, **LOSS)
     data = StepBatchData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
     fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    had_group, env = dist.is_initialized(), dict(os.environ)
     fit.fit(module, data)
     assert fit.global_step == 1
-    assert not dist.is_initialized()  # one device: no process group, every collective is a no-op
+    assert dist.is_initialized() == had_group  # one device: no process group, every collective is a no-op
+    assert "LOCAL_RANK" not in os.environ or env.get("LOCAL_RANK") == os.environ["LOCAL_RANK"]  # no launcher
     for name, p in module.model.named_parameters():  # same tree, same operations: bit-identical
         torch.testing.assert_close(p.grad, ref["grads"][name], rtol=0, atol=0)
         torch.testing.assert_close(p.detach(), ref["weights"][name], rtol=0, atol=0)

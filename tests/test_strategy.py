@@ -16,7 +16,7 @@ from lightning_dta.step import _check_trainer, batch_tree, step_normalizer
 
 
 def test_import_registers_the_strategy_names() -> None:
-    for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn")):
+    for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn"), ("dta_fork", "fork")):
         assert name in StrategyRegistry
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, dta.DTAStrategy) and strategy._start_method == start_method
