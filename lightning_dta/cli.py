@@ -54,14 +54,14 @@ def _bench_main():
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (``[project.scripts] lightning-dta``)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "bench":
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "bench":
         bench = _bench_main()
         if bench is None:
             sys.exit(f"lightning-dta bench: {BENCH_MODULE} is not installed in this version")
-        bench(argv[1:])
+        bench(args[1:])
         return
-    cli_main(argv)
+    cli_main(argv)  # None: LightningCLI reads sys.argv itself (it warns when given both)
 
 
 if __name__ == "__main__":
