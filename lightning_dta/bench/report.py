@@ -29,6 +29,7 @@ def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[in
 
 def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None) -> list[dict]:
     base = results[BASELINE].median if BASELINE in results else None
+    checkpointed = results["vanilla-ckpt"].median if "vanilla-ckpt" in results else None
     out = []
     for name, r in results.items():
         speedup = base / r.median if base else None
@@ -44,6 +45,7 @@ def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_l
             "max_s": r.spread[1],
             "logical_tokens_per_s": stats.logical_tokens / r.median,
             "speedup": speedup,
+            "speedup_vs_ckpt": checkpointed / r.median if checkpointed else None,
             "efficiency": speedup / stats.compression_ratio if speedup else None,
             "flop_speedup_limit": flop_limit,
             "grad_rel_error": r.grad_rel_error,
@@ -60,14 +62,15 @@ def _fmt(value, spec: str) -> str:
 
 def table(all_rows: list[dict]) -> str:
     header = (f"{'workload':<12} {'mode':<17} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
-              f"{'speedup':>7} {'eff':>5} {'flop lim':>8} {'grad err':>9} {'saved MiB':>9} {'rss MiB':>8} "
-              f"{'cuda MiB':>8}")
+              f"{'speedup':>7} {'eff':>5} {'vs ckpt':>7} {'flop lim':>8} {'grad err':>9} {'saved MiB':>9} "
+              f"{'rss MiB':>8} {'cuda MiB':>8}")
     lines = [header, "-" * len(header)]
     for r in all_rows:
         lines.append(
             f"{r['workload']:<12} {r['mode']:<17} {r['compression']:>5.2f} {r['median_s']:>9.3f} "
             f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['logical_tokens_per_s']:>8.0f} {_fmt(r['speedup'], '.2f'):>7} "
-            f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['flop_speedup_limit'], '.2f'):>8} "
+            f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['speedup_vs_ckpt'], '.2f'):>7} "
+            f"{_fmt(r['flop_speedup_limit'], '.2f'):>8} "
             f"{_fmt(r['grad_rel_error'], '.1e'):>9} {_fmt(r['peak_saved_mib'], '.1f'):>9} "
             f"{_fmt(r['peak_rss_growth_mib'], '.0f'):>8} {_fmt(r['cuda_peak_mib'], '.0f'):>8}")
     return "\n".join(lines)

@@ -23,10 +23,18 @@ from lightning_dta.tree import PrefixTree
 BASELINE = "vanilla"
 
 
+CHECKPOINTING = "activation_checkpointing"  # a mode key the runner handles: transformers checkpointing on
+
+
 def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int) -> dict[str, dict]:
-    """The modes compared, as ``tree_backward`` keyword arguments."""
+    """The modes compared, as ``tree_backward`` keyword arguments.
+
+    ``vanilla-ckpt`` is per-rollout training with transformers activation checkpointing: the baseline the
+    reference system (AReaL-DTA) reports its speed-ups against.
+    """
     return {
         "vanilla": dict(mode="vanilla"),
+        "vanilla-ckpt": dict(mode="vanilla", **{CHECKPOINTING: True}),
         "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=vanilla_batch_tokens),
         "mask": dict(mode="mask"),
         "dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
@@ -84,6 +92,18 @@ def _rss_bytes(field_name: str) -> int | None:
     return None
 
 
+def _run(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
+    kwargs = dict(kwargs)
+    if kwargs.pop(CHECKPOINTING, False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        try:
+            tree_backward(model, tree, loss_fn, **kwargs)
+        finally:
+            model.gradient_checkpointing_disable()
+    else:
+        tree_backward(model, tree, loss_fn, **kwargs)
+
+
 def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, modes: dict[str, dict],
                        repeats: int, warmup: int = 1, progress: Callable[[str], None] | None = None
                        ) -> dict[str, ModeResult]:
@@ -100,7 +120,7 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
             torch.cuda.reset_peak_memory_stats(device)
         rss_ok = _reset_peak_rss()
         rss_before = _rss_bytes("VmRSS")
-        tree_backward(model, tree, loss_fn, **kwargs)
+        _run(model, tree, loss_fn, kwargs)
         _sync(device)
         if device.type == "cuda":
             results[name].cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -112,19 +132,19 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
         results[name].grad_rel_error = float((grads - reference).norm() / reference.norm().clamp(min=1e-30))
         model.zero_grad(set_to_none=True)
         with SavedTensorMeter(model) as meter:
-            tree_backward(model, tree, loss_fn, **kwargs)
+            _run(model, tree, loss_fn, kwargs)
         results[name].peak_saved_bytes = meter.peak_bytes
         if progress:
             progress(f"checked {name}")
     for _ in range(max(warmup - 1, 0)):
         for kwargs in modes.values():
-            tree_backward(model, tree, loss_fn, **kwargs)
+            _run(model, tree, loss_fn, kwargs)
     for rep in range(repeats):
         for name, kwargs in modes.items():
             model.zero_grad(set_to_none=True)
             _sync(device)
             start = time.perf_counter()
-            tree_backward(model, tree, loss_fn, **kwargs)
+            _run(model, tree, loss_fn, kwargs)
             _sync(device)
             results[name].times.append(time.perf_counter() - start)
             if progress:

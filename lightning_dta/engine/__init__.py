@@ -61,7 +61,7 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     loss_fn = loss_fn or PolicyLoss()
     options = DFSOptions(activation=activation, chunk_size=chunk_size, sibling_batch_tokens=sibling_batch_tokens,
                          order=order)
-    info = inspect_model(model)
+    info = inspect_model(model, uses_cache=mode != "vanilla")
     if mode == "dfs" and activation == "recompute" and info.has_active_dropout:
         raise ModelNotSupportedError("activation='recompute' re-runs each segment, and active dropout would draw a "
                                      "different mask the second time. Fix: set dropout to 0 or call model.eval().")

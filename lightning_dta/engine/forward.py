@@ -32,8 +32,12 @@ class ModelInfo:
     has_active_dropout: bool
 
 
-def inspect_model(model: nn.Module) -> ModelInfo:
-    """Check that ``model`` can take a KV cache and is not in a mode that silently drops it."""
+def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
+    """Check that ``model`` can take a KV cache and is not in a mode that silently drops it.
+
+    ``uses_cache=False`` (the per-rollout baseline) allows transformers gradient checkpointing, which is then
+    harmless: it only drops caches, and that mode passes none.
+    """
     params = inspect.signature(model.forward).parameters
     if "cache" in params:
         cache_arg = "cache"
@@ -46,7 +50,7 @@ def inspect_model(model: nn.Module) -> ModelInfo:
             "LM with KV-cache support (Llama, Qwen2/3, Mistral, Gemma, GPT-2, ...) or mode='vanilla'.")
     checkpointing_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
         else "is_gradient_checkpointing"
-    if getattr(model, checkpointing_flag, False):
+    if uses_cache and getattr(model, checkpointing_flag, False):
         raise ModelNotSupportedError(
             "transformers gradient checkpointing is enabled; it drops the KV cache during training (with only a "
             "warning), which would train on different inputs. Fix: call model.gradient_checkpointing_disable() "
