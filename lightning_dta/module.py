@@ -140,19 +140,20 @@ class DTAModule(DFSStepMixin, LightningModule):
         out = self.dfs_training_step(batch, self.loss_fn, model=self.model,
                                      gradient_clip_val=self.gradient_clip_val,
                                      gradient_clip_algorithm=self.gradient_clip_algorithm, **self.engine_kwargs)
+        lr = self.optimizers().optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler = self.lr_schedulers()
         if scheduler is not None:
             scheduler.step()
-        self.log_step(out, batch)
+        self.log_step(out, batch, lr)
         return torch.tensor(out.loss)
 
-    def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None) -> None:
+    def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None, lr: float) -> None:
         """Log the step's metrics. They are step-wide and identical on every rank, so no ``sync_dist``."""
         metrics = {f"train/{key}": value for key, value in out.metrics.items()}
         if self.loss_fn.kl_coef == 0.0:
             metrics.pop("train/ref_kl", None)
         metrics["train/grad_norm"] = out.grad_norm or 0.0
-        metrics["train/lr"] = self.optimizers().optimizer.param_groups[0]["lr"]
+        metrics["train/lr"] = lr
         if isinstance(batch, StepBatch):
             metrics["train/rank_cost_imbalance"] = batch.imbalance
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)

@@ -73,9 +73,9 @@ def step_normalizer(tree: PrefixTree | None, loss_fn: PolicyLoss, device: torch.
     ``agg="sum"`` has no normaliser (it is 1 on every rank), so it is not summed: summing would scale an
     N-rank gradient by 1/N.
     """
-    local = 0.0 if tree is None else tree_loss_normalizer(tree, loss_fn)
     if loss_fn.agg == "sum":
         return 1.0
+    local = 0.0 if tree is None else tree_loss_normalizer(tree, loss_fn)
     return all_reduce_sum([local], device)[0]
 
 
