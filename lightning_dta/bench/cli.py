@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_dta.bench import report
-from lightning_dta.bench.model import build_model
+from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
 from lightning_dta.bench.runner import run_logprob_modes, run_training_modes, training_modes
 from lightning_dta.bench.workloads import (
     AgentWorkload,
@@ -61,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--repeats", default=3, type=int, help="timed repeats per mode (round-robin)")
     what.add_argument("--warmup", default=1, type=int, help="untimed passes per mode before timing")
     what.add_argument("--seed", default=0, type=int, help="seed of the workload generators and the model")
-    model = parser.add_argument_group("model (a Llama built from a config; random weights)")
+    model = parser.add_argument_group("model (built from a config; random weights)")
+    model.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                       help="shape of a real checkpoint (overrides --arch/--layers/--hidden/... )")
+    model.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES), help="model family")
     model.add_argument("--layers", default=4, type=int, help="decoder layers")
     model.add_argument("--hidden", default=256, type=int, help="hidden size")
     model.add_argument("--heads", default=4, type=int, help="attention heads")
@@ -134,8 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
-    model = build_model(args.layers, args.hidden, args.heads, args.kv_heads, args.intermediate, args.vocab,
-                        dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn, seed=args.seed)
+    shape = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                 intermediate=args.intermediate, vocab=args.vocab)
+    shape.update(PRESETS.get(args.preset, {}))
+    model = build_model(**shape, dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn,
+                        seed=args.seed)
     config = model.config
     sibling_budget = args.sibling_batch_tokens or None
     all_modes = training_modes(args.chunk_size, sibling_budget, args.vanilla_batch_tokens)
@@ -190,8 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model.zero_grad(set_to_none=True)
     bar.close()
 
-    print(f"model: Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab {config.vocab_size}, "
-          f"{args.dtype} on {args.device}; torch {torch.__version__}; {torch.get_num_threads()} threads")
+    print(f"model: {shape['arch']} {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+          f"vocab {config.vocab_size}, {args.dtype} on {args.device}; torch {torch.__version__}; "
+          f"{torch.get_num_threads()} threads")
     print(report.table(all_rows))
     if memory_scaling:
         print("\npeak bytes saved for backward (MiB) vs leaves per prompt (400-token prompt, 128-token responses):")

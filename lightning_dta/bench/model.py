@@ -1,20 +1,37 @@
-"""The benchmark model: a Llama-shaped causal LM built from a config (random weights, nothing downloaded)."""
+"""The benchmark model: a Llama- or Qwen3-shaped causal LM built from a config (random weights, nothing
+downloaded)."""
 
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+
+# Shapes of real checkpoints, for the GPU benchmark (random weights are fine for speed).
+PRESETS = {
+    "qwen3-0.6b": dict(arch="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072, vocab=151936,
+                       head_dim=128),
+    "qwen3-1.7b": dict(arch="qwen3", layers=28, hidden=2048, heads=16, kv_heads=8, intermediate=6144, vocab=151936,
+                       head_dim=128),
+}
 
 
 def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int | None = None,
-                intermediate: int | None = None, vocab: int = 4096, max_positions: int = 8192,
+                intermediate: int | None = None, vocab: int = 2048, max_positions: int = 32768,
                 dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa",
-                seed: int = 0) -> LlamaForCausalLM:
+                seed: int = 0, arch: str = "llama", head_dim: int | None = None) -> torch.nn.Module:
+    config_cls, model_cls = ARCHITECTURES[arch]
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or int(hidden * 8 / 3),
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                         max_position_embeddings=max_positions, tie_word_embeddings=False)
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or int(hidden * 8 / 3),
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
+                  max_position_embeddings=max_positions, tie_word_embeddings=False)
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    config = config_cls(**kwargs)
     config._attn_implementation = attn_implementation
-    model = LlamaForCausalLM(config).to(device=device, dtype=dtype)
-    model.train()  # dropout is 0 in Llama configs; train mode as in real training
+    with torch.device(device):
+        model = model_cls(config)
+    model = model.to(dtype=dtype)
+    model.train()  # dropout is 0 in these configs; train mode as in real training
     return model

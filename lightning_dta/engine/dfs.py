@@ -63,20 +63,28 @@ def order_children(node: TreeNode, order: str) -> list[TreeNode]:
     return sorted(node.children, key=lambda c: (not c.is_leaf, c.length if c.is_leaf else len(c.rollouts)))
 
 
+MAX_PADDING = 0.15  # a batch stops growing once padding would exceed this fraction of its computed tokens
+
+
 def batch_by_budget(items: list, length, budget: int | None) -> list[list]:
-    """Group items in order so that rows x longest row stays within ``budget`` tokens (one item at least)."""
+    """Group items (sorted by length) so that rows x longest row stays within ``budget`` tokens and padding
+    stays under ``MAX_PADDING``: a padded token costs as much as a real one, an extra forward only its fixed
+    overhead."""
     if budget is None:
         return [[item] for item in items]
     batches: list[list] = []
-    longest = 0
+    longest = real = 0
     for item in items:
         size = length(item)
-        if batches and (len(batches[-1]) + 1) * max(longest, size) <= budget:
-            batches[-1].append(item)
-            longest = max(longest, size)
-        else:
-            batches.append([item])
-            longest = size
+        if batches:
+            rows = len(batches[-1]) + 1
+            width = max(longest, size)
+            if rows * width <= budget and rows * width - (real + size) <= MAX_PADDING * rows * width:
+                batches[-1].append(item)
+                longest, real = width, real + size
+                continue
+        batches.append([item])
+        longest = real = size
     return batches
 
 
