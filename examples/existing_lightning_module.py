@@ -3,12 +3,12 @@
     python examples/existing_lightning_module.py --max-steps 3
 
 ``PolicyModule`` stands for code you already have: its own model attribute, optimizer, scheduler and
-logging. Three changes make it train on prefix trees:
+logging. Two changes make it train on prefix trees:
 
-1. mix in ``DFSStepMixin`` (tree batches are handed to ``training_step`` as they are);
-2. ``self.automatic_optimization = False`` (one DFS runs one backward per tree node, not one per loss);
-3. call ``self.dfs_training_step(batch, loss_fn, model=...)`` in ``training_step``: it zeroes the gradients,
-   runs the DFS, sums the gradients over ranks once, clips with ``self.clip_gradients`` and steps the optimizer.
+1. ``self.automatic_optimization = False`` (one DFS runs one backward per tree node, not one per loss);
+2. call ``dta.dfs_training_step(self, batch, loss_fn, model=...)`` in ``training_step``: it zeroes the
+   gradients, runs the DFS, sums the gradients over ranks once, clips with ``self.clip_gradients`` and steps
+   the optimizer. (Mixing in ``dta.DFSStepMixin`` offers the same as ``self.dfs_training_step(...)``.)
 
 Hooks: ``on_before_backward``/``on_after_backward`` do not fire in a DFS step (Lightning would fire them once
 per node through ``manual_backward``); ``on_before_optimizer_step`` fires once per step, after the cross-rank sum
@@ -31,12 +31,12 @@ from lightning_dta.data import RolloutDataModule
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 
 
-class PolicyModule(dta.DFSStepMixin, L.LightningModule):
+class PolicyModule(L.LightningModule):
     """The "existing" module: a policy, a KL-regularised PPO loss, AdamW with warm-up."""
 
     def __init__(self, lr: float = 1e-3, kl_coef: float = 0.0) -> None:
         super().__init__()
-        self.automatic_optimization = False  # change 2
+        self.automatic_optimization = False  # change 1
         config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
         self.policy = AutoModelForCausalLM.from_config(config)
@@ -50,7 +50,7 @@ class PolicyModule(dta.DFSStepMixin, L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
     def training_step(self, batch, batch_idx):
-        out = self.dfs_training_step(batch, self.loss_fn, model=self.policy, gradient_clip_val=1.0)  # change 3
+        out = dta.dfs_training_step(self, batch, self.loss_fn, model=self.policy, gradient_clip_val=1.0)  # change 2
         self.lr_schedulers().step()
         self.log_dict({"policy/loss": out.loss, "policy/clip_fraction": out.metrics["clip_fraction"],
                        "policy/grad_norm": out.grad_norm}, prog_bar=True, batch_size=1)

@@ -10,7 +10,7 @@ The order is fixed by exactness, not taste:
 
 :func:`tree_step_backward` is steps 1-3 with no framework; :func:`dfs_training_step` adds step 4 for a
 manual-optimization ``LightningModule`` and is what :class:`~lightning_dta.module.DTAModule` calls.
-:class:`DFSStepMixin` gives an existing ``LightningModule`` the batch handling tree batches need.
+:class:`DFSStepMixin` gives an existing ``LightningModule`` the step as a method.
 
 Why ``tree_backward`` and not ``manual_backward`` per node: Lightning's ``manual_backward`` fires the
 ``on_before_backward``/``on_after_backward`` hooks of the module and of every callback on each call, and a DFS
@@ -183,17 +183,12 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
 
 
 class DFSStepMixin:
-    """Mix into an existing ``LightningModule`` (``class M(DFSStepMixin, LightningModule)``) that trains on trees.
+    """Mix into an existing ``LightningModule`` (``class M(DFSStepMixin, LightningModule)``) that trains on trees:
+    ``self.dfs_training_step(batch, loss_fn, model=...)`` is :func:`dfs_training_step` for this module.
 
-    Lightning moves every batch to the device with ``apply_to_collection``, which deep-copies dataclasses and
-    fails on the frozen ``TreeStats`` inside a :class:`StepBatch`. The engine moves each segment's tokens to
-    the model's device itself, so tree batches are passed through untouched; other batches go the usual way.
+    Tree batches need no device hook: Lightning's default transfer leaves the tree's host tensors alone, and the
+    engine moves each segment's tokens to the model's device itself.
     """
-
-    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        if batch is None or isinstance(batch, (StepBatch, PrefixTree)):
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def dfs_training_step(self, batch: StepBatch | PrefixTree | None, loss_fn: PolicyLoss | None = None,
                           **kwargs: Any) -> StepOutput:
