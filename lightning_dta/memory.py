@@ -1,4 +1,4 @@
-"""Measuring activation memory without a GPU: bytes that autograd holds for backward.
+"""Measuring memory without a GPU: bytes that autograd holds for backward, and the process's peak RSS.
 
 ``torch.autograd.graph.saved_tensors_hooks`` sees every tensor an operation saves for its backward. The meter
 counts each storage once while any saved reference to it is alive and records the peak, so it measures
@@ -6,6 +6,10 @@ what a training mode keeps for backward (parameters excluded), independent of th
 """
 
 from __future__ import annotations
+
+import re
+import resource
+import sys
 
 import torch
 from torch import nn
@@ -67,3 +71,36 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter of this process; ``False`` where the platform does not allow it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (since the last :func:`reset_peak_rss`, where it worked)."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+        if match:
+            return int(match.group(1)) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def current_rss_bytes() -> int | None:
+    """Resident set size of this process now (``None`` where ``/proc`` is not available)."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmRSS:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+        return int(match.group(1)) * 1024 if match else None
+    except OSError:
+        return None

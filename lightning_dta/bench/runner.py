@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from lightning_dta.callbacks.throughput import synchronize
 from lightning_dta.engine import tree_backward, tree_logprobs
 from lightning_dta.losses import PolicyLoss
-from lightning_dta.memory import SavedTensorMeter
+from lightning_dta.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.tree import PrefixTree
 
 BASELINE = "vanilla"
@@ -61,35 +62,9 @@ class ModeResult:
         return min(self.times), max(self.times)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _flat_grads(model: nn.Module) -> torch.Tensor:
     return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
                       for p in model.parameters()])
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter (VmHWM) for this process, where Linux allows it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _rss_bytes(field_name: str) -> int | None:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _run(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
@@ -118,13 +93,13 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        rss_ok = _reset_peak_rss()
-        rss_before = _rss_bytes("VmRSS")
+        rss_ok = reset_peak_rss()
+        rss_before = current_rss_bytes()
         _run(model, tree, loss_fn, kwargs)
-        _sync(device)
+        synchronize(device)
         if device.type == "cuda":
             results[name].cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
-        peak = _rss_bytes("VmHWM")
+        peak = peak_rss_bytes()
         if rss_ok and peak is not None and rss_before is not None:
             results[name].peak_rss_growth_bytes = max(peak - rss_before, 0)
         grads = _flat_grads(model)
@@ -142,10 +117,10 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
     for rep in range(repeats):
         for name, kwargs in modes.items():
             model.zero_grad(set_to_none=True)
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             _run(model, tree, loss_fn, kwargs)
-            _sync(device)
+            synchronize(device)
             results[name].times.append(time.perf_counter() - start)
             if progress:
                 progress(f"repeat {rep + 1}/{repeats} {name}")
@@ -176,10 +151,10 @@ def run_logprob_modes(model: nn.Module, tree: PrefixTree, repeats: int,
         results[name].grad_rel_error = float((values - reference).abs().max())  # max abs log-prob difference
     for rep in range(repeats):
         for name, fn in modes.items():
-            _sync(device)
+            synchronize(device)
             start = time.perf_counter()
             fn(model, tree)
-            _sync(device)
+            synchronize(device)
             results[name].times.append(time.perf_counter() - start)
             if progress:
                 progress(f"repeat {rep + 1}/{repeats} {name}")

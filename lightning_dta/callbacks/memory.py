@@ -9,40 +9,15 @@ all-gathered and the maximum over ranks is logged, since the rank that runs out 
 
 from __future__ import annotations
 
-import re
-import resource
-import sys
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lightning_dta.distributed import all_gather_floats
+from lightning_dta.memory import peak_rss_bytes, reset_peak_rss
 
 GIB = 2.0**30
-
-
-def reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS counter of this process; ``False`` where the platform does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (since the last :func:`reset_peak_rss`, where it worked)."""
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
-        if match:
-            return int(match.group(1)) * 1024
-    except OSError:
-        pass
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
 class PeakMemoryMonitor(Callback):
