@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 import lightning_dta as dta
-from lightning_dta.callbacks.memory import peak_rss_bytes, reset_peak_rss
+from lightning_dta.memory import peak_rss_bytes, reset_peak_rss
 
 
 def test_throughput_and_memory_are_logged_per_step(tmp_path: Path) -> None:
