@@ -70,8 +70,7 @@ def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
 def step_normalizer(tree: PrefixTree | None, loss_fn: PolicyLoss, device: torch.device | str = "cpu") -> float:
     """The loss normaliser of the whole step: this rank's share summed over ranks (one collective).
 
-    ``agg="sum"`` has no normaliser (it is 1 on every rank), so it is not summed: summing would scale an
-    N-rank gradient by 1/N.
+    ``agg="sum"`` has no normaliser (1 on every rank, and not a count), so there is nothing to sum.
     """
     if loss_fn.agg == "sum":
         return 1.0
