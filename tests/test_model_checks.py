@@ -57,3 +57,10 @@ def test_bad_options_are_refused(kwargs):
 def test_bad_loss_settings_are_refused():
     with pytest.raises(ValueError, match="agg"):
         dta.PolicyLoss(agg="mean")
+
+
+def test_mask_mode_refuses_attention_kernels_without_4d_masks():
+    model = make_model("llama")
+    model.config._attn_implementation = "flash_attention_2"  # only the name is read before refusing
+    with pytest.raises(dta.ModelNotSupportedError, match="mode='mask'.*sdpa"):
+        dta.tree_backward(model, tiny_tree(), mode="mask")

@@ -65,6 +65,11 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     if mode == "dfs" and activation == "recompute" and info.has_active_dropout:
         raise ModelNotSupportedError("activation='recompute' re-runs each segment, and active dropout would draw a "
                                      "different mask the second time. Fix: set dropout to 0 or call model.eval().")
+    if mode == "mask" and info.attn_implementation not in (None, "sdpa", "eager"):
+        raise ModelNotSupportedError(
+            f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="
+            f"{info.attn_implementation!r} does not take (it would silently attend causally across branches). "
+            "Fix: load the model with attn_implementation='sdpa' (or 'eager') for the mask baseline.")
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
     sums = empty_sums()

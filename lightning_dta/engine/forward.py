@@ -30,6 +30,7 @@ class ModelInfo:
     dtype: torch.dtype
     device: torch.device
     has_active_dropout: bool
+    attn_implementation: str | None
 
 
 def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
@@ -62,7 +63,7 @@ def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
     first = next(model.parameters())
     dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout)
+                     dropout, getattr(config, "_attn_implementation", None))
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
