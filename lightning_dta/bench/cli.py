@@ -121,8 +121,12 @@ def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, sibling
     out = []
     for n in leaves:
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
-        for mode, kwargs in {"dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
-                             "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}.items():
+        modes = {"dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
+                 "dfs-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
+                 "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}
+        if model.config._attn_implementation not in ("sdpa", "eager"):
+            del modes["mask"]  # flash attention takes no 4-D tree mask
+        for mode, kwargs in modes.items():
             model.zero_grad(set_to_none=True)
             with SavedTensorMeter(model) as meter:
                 tree_backward(model, tree, PolicyLoss(), **kwargs)
@@ -202,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.table(all_rows))
     if memory_scaling:
         print("\npeak bytes saved for backward (MiB) vs leaves per prompt (400-token prompt, 128-token responses):")
-        for mode in ("dfs", "mask", "vanilla"):
+        for mode in ("dfs", "dfs-unbatched", "mask", "vanilla"):
             values = [f"{m['leaves']}: {m['peak_saved_mib']:.1f}" for m in memory_scaling if m["mode"] == mode]
             print(f"  {mode:<8} " + "  ".join(values))
     if long_rows:

@@ -16,6 +16,8 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_dta.engine.token_scores import token_scores
+
 
 class ModelNotSupportedError(TypeError):
     """The model cannot be trained on a prefix tree (no KV cache, or a setting that breaks exactness)."""
@@ -120,16 +122,15 @@ def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_
           entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``targets`` ``[R, C]`` under ``logits`` ``[C, V]``, and the entropy of each column ``[1, C]``.
 
-    One log-softmax per position serves every rollout through it; rows only gather different targets.
+    One normaliser per position serves every rollout through it; rows only gather different targets. The
+    work runs in blocks of positions (:mod:`token_scores`), so no full-vocabulary float32 copy is kept.
     """
-    log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
-    columns = torch.arange(log_probs.shape[0], device=log_probs.device)
-    logp = log_probs[columns[None, :], targets]
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(log_probs.exp() * log_probs).sum(-1)[None, :]
-    return logp, entropy
+    logp, entropy = token_scores(logits, targets, dtype)
+    if not with_entropy:
+        return logp, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp, entropy[None, :]
 
 
 def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, columns: torch.Tensor | None,

@@ -13,6 +13,7 @@ from lightning_dta.engine.dfs import batch_by_budget, chunk_end
 from lightning_dta.engine.forward import ModelInfo, forward_segment, loss_dtype
 from lightning_dta.engine.path_kv import PathKV
 from lightning_dta.engine.step_data import StepData
+from lightning_dta.engine.token_scores import token_scores
 from lightning_dta.tree import PrefixTree, TreeNode
 
 
@@ -38,8 +39,7 @@ class LogprobWalk:
         seg = self.step.segment(rollouts, start, length, all_positions=True)
         if seg.empty:
             return
-        log_probs = torch.log_softmax(logits[seg.columns.to(logits.device)].to(self.out.dtype), dim=-1)
-        logp = log_probs[torch.arange(log_probs.shape[0], device=log_probs.device)[None, :], seg.targets]
+        logp, _ = token_scores(logits[seg.columns.to(logits.device)], seg.targets, self.out.dtype, with_entropy=False)
         target_pos = start + seg.columns  # position p predicts token p+1, stored at entry p
         index = self.out_offsets[seg.rollouts][:, None] + target_pos[None, :]
         valid = (target_pos[None, :] + 1) < self.step.lengths[seg.rollouts][:, None]
