@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--modes", default="vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute",
                       help="training modes to compare (vanilla is always run: it is the baseline)")
     what.add_argument("--no-logprobs", action="store_true", help="skip forward-only tree_logprobs vs per-rollout")
-    what.add_argument("--memory-leaves", default="4,8,16,32", type=_ints,
+    what.add_argument("--memory-leaves", default="4,8,16,32,64", type=_ints,
                       help="leaf counts for the peak-memory-vs-leaves sweep (empty string: skip)")
     what.add_argument("--long-len", default=3072, type=int,
                       help="rollout length for the chunked-recompute memory check (0: skip)")

@@ -70,11 +70,15 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
 def _run(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
     kwargs = dict(kwargs)
     if kwargs.pop(CHECKPOINTING, False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed the methods
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         try:
             tree_backward(model, tree, loss_fn, **kwargs)
         finally:
-            model.gradient_checkpointing_disable()
+            (model.activation_checkpointing_disable if hasattr(model, "activation_checkpointing_disable")
+             else model.gradient_checkpointing_disable)()
     else:
         tree_backward(model, tree, loss_fn, **kwargs)
 
