@@ -19,7 +19,7 @@ import torch
 
 from lightning_dta.bench import report
 from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
-from lightning_dta.bench.runner import run_logprob_modes, run_training_modes, training_modes
+from lightning_dta.bench.runner import run_logprob_modes, run_mode, run_training_modes, training_modes
 from lightning_dta.bench.workloads import (
     AgentWorkload,
     FileWorkload,
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="leaf counts for the peak-memory-vs-leaves sweep (empty string: skip)")
     what.add_argument("--long-len", default=3072, type=int,
                       help="rollout length for the chunked-recompute memory check (0: skip)")
+    what.add_argument("--profile", default=None, metavar="MODE",
+                      help="also print a torch.profiler table (top ops) of one step of MODE on each workload")
     what.add_argument("--repeats", default=3, type=int, help="timed repeats per mode (round-robin)")
     what.add_argument("--warmup", default=1, type=int, help="untimed passes per mode before timing")
     what.add_argument("--seed", default=0, type=int, help="seed of the workload generators and the model")
@@ -135,6 +137,19 @@ def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, sibling
     return out
 
 
+def _profile(model, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> str:
+    """The top operators of one step (after a warm-up step), by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    run_mode(model, tree, loss_fn, kwargs)
+    with profile(activities=activities) as prof:
+        run_mode(model, tree, loss_fn, kwargs)
+    model.zero_grad(set_to_none=True)
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=48)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads:
@@ -164,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.update(1)
 
     all_rows = []
+    profiles: dict[str, str] = {}
+    if args.profile and args.profile not in all_modes:
+        raise SystemExit(f"--profile {args.profile!r}: choose from {sorted(all_modes)}")
     for name, workload in workloads.items():
         tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed), vocab_size=config.vocab_size,
                                         max_positions=config.max_position_embeddings)
@@ -175,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = run_training_modes(model, tree, loss_fn, modes, args.repeats, args.warmup, progress)
         if not args.no_logprobs:
             results.update(run_logprob_modes(model, tree, args.repeats, progress))
+        if args.profile:
+            profiles[name] = _profile(model, tree, loss_fn, all_modes[args.profile])
         rows = report.rows(name, tree.stats, results, limit)
         for row in rows:  # logprob rows compare against the per-rollout forward, not the training baseline
             if row["mode"] == "logprobs-tree":
@@ -204,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"vocab {config.vocab_size}, {args.dtype} on {args.device}; torch {torch.__version__}; "
           f"{torch.get_num_threads()} threads")
     print(report.table(all_rows))
+    for name, text in profiles.items():
+        print(f"\ntorch.profiler, one {args.profile} step of {name}:\n{text}")
     if memory_scaling:
         print("\npeak bytes saved for backward (MiB) vs leaves per prompt (400-token prompt, 128-token responses):")
         for mode in ("dfs", "dfs-unbatched", "mask", "vanilla"):

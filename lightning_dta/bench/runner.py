@@ -67,7 +67,8 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def _run(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
+def run_mode(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
+    """One ``tree_backward`` with a mode's keyword arguments (handling the runner's own keys)."""
     kwargs = dict(kwargs)
     if kwargs.pop(CHECKPOINTING, False):
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed the methods
@@ -99,7 +100,7 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
             torch.cuda.reset_peak_memory_stats(device)
         rss_ok = reset_peak_rss()
         rss_before = current_rss_bytes()
-        _run(model, tree, loss_fn, kwargs)
+        run_mode(model, tree, loss_fn, kwargs)
         synchronize(device)
         if device.type == "cuda":
             results[name].cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
@@ -111,19 +112,19 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
         results[name].grad_rel_error = float((grads - reference).norm() / reference.norm().clamp(min=1e-30))
         model.zero_grad(set_to_none=True)
         with SavedTensorMeter(model) as meter:
-            _run(model, tree, loss_fn, kwargs)
+            run_mode(model, tree, loss_fn, kwargs)
         results[name].peak_saved_bytes = meter.peak_bytes
         if progress:
             progress(f"checked {name}")
     for _ in range(max(warmup - 1, 0)):
         for kwargs in modes.values():
-            _run(model, tree, loss_fn, kwargs)
+            run_mode(model, tree, loss_fn, kwargs)
     for rep in range(repeats):
         for name, kwargs in modes.items():
             model.zero_grad(set_to_none=True)
             synchronize(device)
             start = time.perf_counter()
-            _run(model, tree, loss_fn, kwargs)
+            run_mode(model, tree, loss_fn, kwargs)
             synchronize(device)
             results[name].times.append(time.perf_counter() - start)
             if progress:
