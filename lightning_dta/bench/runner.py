@@ -100,8 +100,10 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
             torch.cuda.reset_peak_memory_stats(device)
         rss_ok = reset_peak_rss()
         rss_before = current_rss_bytes()
-        run_mode(model, tree, loss_fn, kwargs)
+        with SavedTensorMeter(model) as meter:  # the hooks only alias saved tensors: memory is unchanged
+            run_mode(model, tree, loss_fn, kwargs)
         synchronize(device)
+        results[name].peak_saved_bytes = meter.peak_bytes
         if device.type == "cuda":
             results[name].cuda_peak_bytes = torch.cuda.max_memory_allocated(device)
         peak = peak_rss_bytes()
@@ -111,9 +113,6 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
         reference = grads if reference is None else reference
         results[name].grad_rel_error = float((grads - reference).norm() / reference.norm().clamp(min=1e-30))
         model.zero_grad(set_to_none=True)
-        with SavedTensorMeter(model) as meter:
-            run_mode(model, tree, loss_fn, kwargs)
-        results[name].peak_saved_bytes = meter.peak_bytes
         if progress:
             progress(f"checked {name}")
     for _ in range(max(warmup - 1, 0)):
