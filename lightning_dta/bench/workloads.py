@@ -7,7 +7,6 @@ shared, which are trained, and how long each piece is.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from lightning_dta.rollout import Rollout, read_rollouts
@@ -129,10 +128,3 @@ class LongSequenceWorkload:
         return [Rollout(input_ids=_tokens(rng, vocab, self.length), advantages=rng.gauss(0.0, 1.0))
                 for _ in range(self.num_rollouts)]
 
-
-WORKLOADS: dict[str, Callable[[], object]] = {
-    "grpo": GRPOWorkload,
-    "agent": AgentWorkload,
-    "tree-search": TreeSearchWorkload,
-    "long": LongSequenceWorkload,
-}

@@ -67,7 +67,6 @@ class StepData:
         self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
         self.ref = torch.cat([self._optional(r.ref_logprobs, len(r)) for r in tree.rollouts])
         self.any_ref = any(r.ref_logprobs is not None for r in tree.rollouts)
-        self.loss_fn = loss_fn
         if loss_fn is not None:
             self.normalizer = float(loss_fn.normalizer(masks) if normalizer is None else normalizer)
             self.weights = loss_fn.rollout_weights(self.token_counts, self.normalizer)
