@@ -62,6 +62,7 @@ class StepData:
         masks = loss_masks(tree)
         self.mask = torch.cat(masks)
         self.token_counts = torch.stack([m.sum() for m in masks])
+        # Stored in the loss's dtype (float32 unless the model is float64): a large step holds millions of these.
         self.advantages = torch.cat([self._per_token(r.advantages, len(r)) for r in tree.rollouts])
         self.old = torch.cat([self._optional(r.old_logprobs, len(r)) for r in tree.rollouts])
         self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
@@ -74,17 +75,15 @@ class StepData:
             self.normalizer = 1.0
             self.weights = torch.ones(len(tree.rollouts), dtype=torch.float64)
 
-    @staticmethod
-    def _per_token(value: float | list[float], length: int) -> torch.Tensor:
+    def _per_token(self, value: float | list[float], length: int) -> torch.Tensor:
         if isinstance(value, (int, float)):
-            return torch.full((length,), float(value), dtype=torch.float64)
-        return torch.tensor(value, dtype=torch.float64)
+            return torch.full((length,), float(value), dtype=self.dtype)
+        return torch.tensor(value, dtype=self.dtype)
 
-    @staticmethod
-    def _optional(values: list[float] | None, length: int) -> torch.Tensor:
+    def _optional(self, values: list[float] | None, length: int) -> torch.Tensor:
         if values is None:
-            return torch.full((length,), _NAN, dtype=torch.float64)
-        out = torch.tensor([_NAN if v is None else float(v) for v in values], dtype=torch.float64)
+            return torch.full((length,), _NAN, dtype=self.dtype)
+        out = torch.tensor([_NAN if v is None else float(v) for v in values], dtype=self.dtype)
         out[0] = _NAN  # index 0 is never used
         return out
 
