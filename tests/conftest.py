@@ -8,7 +8,20 @@ import sys
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 import lightning_dta as dta
 
@@ -30,6 +43,19 @@ def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
         model = Qwen2ForCausalLM(config)
+    elif family == "qwen3":  # q/k norms inside attention
+        config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS, **common)
+        model = Qwen3ForCausalLM(config)
+    elif family == "mistral":  # a sliding window longer than every test rollout
+        config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=MAX_POS, sliding_window=MAX_POS,
+                               **common)
+        model = MistralForCausalLM(config)
+    elif family == "gemma":  # scaled embeddings, tied head, GELU MLP
+        config = GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=1, head_dim=8, max_position_embeddings=MAX_POS, **common)
+        model = GemmaForCausalLM(config)
     elif family == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=MAX_POS, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)

@@ -61,6 +61,14 @@ def test_every_mode_matches_per_rollout_reference(family, config_name):
     assert out.metrics["trained_tokens"] == sum(sum(r.loss_mask[1:]) for r in rollouts)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma"])
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask"])
+def test_more_model_families(family, config_name):
+    model = make_model(family)
+    rollouts = random_tree_rollouts(random.Random(8), num_rollouts=8)
+    check(model, rollouts, dta.PolicyLoss(kl_coef=0.1, entropy_coef=0.01), ENGINE_CONFIGS[config_name])
+
+
 @pytest.mark.parametrize("agg", list(LOSSES))
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla"])
 def test_every_aggregation(agg, config_name, llama64):
