@@ -69,6 +69,21 @@ def test_more_model_families(family, config_name):
     check(model, rollouts, dta.PolicyLoss(kl_coef=0.1, entropy_coef=0.01), ENGINE_CONFIGS[config_name])
 
 
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "dfs-keep-nobatch-treeorder"])
+def test_sliding_window_shorter_than_the_rollouts(config_name):
+    """The cache holds the whole path; the model's own sliding-window mask picks the keys, as in a forward."""
+    model = make_model("mistral")
+    rollouts = random_tree_rollouts(random.Random(9), num_rollouts=8)
+    assert max(len(r) for r in rollouts) > 20
+    full_window_loss, _ = reference_grads(model, rollouts, dta.PolicyLoss())
+    model.config.sliding_window = 6
+    assert reference_grads(model, rollouts, dta.PolicyLoss())[0] != pytest.approx(full_window_loss), \
+        "the window must change the model's output for this test to mean anything"
+    check(model, rollouts, dta.PolicyLoss(), ENGINE_CONFIGS[config_name])
+    with pytest.raises(dta.ModelNotSupportedError, match="sliding window"):
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), mode="mask")
+
+
 @pytest.mark.parametrize("agg", list(LOSSES))
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla"])
 def test_every_aggregation(agg, config_name, llama64):

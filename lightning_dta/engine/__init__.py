@@ -70,6 +70,12 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
             f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="
             f"{info.attn_implementation!r} does not take (it would silently attend causally across branches). "
             "Fix: load the model with attn_implementation='sdpa' (or 'eager') for the mask baseline.")
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if mode == "mask" and window is not None and tree.stats.max_depth_tokens > window:
+        raise ModelNotSupportedError(
+            f"mode='mask' builds one tree mask for every layer and does not apply the model's sliding window "
+            f"({window} tokens), which the longest rollout ({tree.stats.max_depth_tokens} tokens) exceeds. "
+            "Fix: use mode='dfs' (exact with sliding windows: the model masks the cache itself) or 'vanilla'.")
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
     sums = empty_sums()
