@@ -69,6 +69,20 @@ def test_more_model_families(family, config_name):
     check(model, rollouts, dta.PolicyLoss(kl_coef=0.1, entropy_coef=0.01), ENGINE_CONFIGS[config_name])
 
 
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask"])
+def test_frozen_embeddings_and_first_layer(config_name, llama64):
+    """As with LoRA or a frozen trunk: the first layers' keys/values carry no graph."""
+    frozen = list(llama64.model.embed_tokens.parameters()) + list(llama64.model.layers[0].parameters())
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        rollouts = random_tree_rollouts(random.Random(10), num_rollouts=8)
+        check(llama64, rollouts, dta.PolicyLoss(), ENGINE_CONFIGS[config_name])
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
+
+
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "dfs-keep-nobatch-treeorder"])
 def test_sliding_window_shorter_than_the_rollouts(config_name):
     """The cache holds the whole path; the model's own sliding-window mask picks the keys, as in a forward."""

@@ -187,6 +187,8 @@ class DFSExecutor:
         if loss is not None:
             outputs.append(loss)
             grads.append(None)
-        if outputs:
-            torch.autograd.backward(outputs, grads)
+        # Keys/values of frozen early layers (LoRA, frozen embeddings) carry no graph: nothing to send back.
+        pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.kv.collect(start, leaves_kv)
