@@ -83,6 +83,20 @@ def test_frozen_embeddings_and_first_layer(config_name, llama64):
             p.requires_grad_(True)
 
 
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask"])
+def test_lora_adapters_through_peft(config_name):
+    """A PEFT-wrapped model (LoRA on q/v, base frozen): only adapter weights get gradients, exactly."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(make_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                      lora_dropout=0.0, task_type="CAUSAL_LM"))
+    with torch.no_grad():  # LoRA's B starts at zero; make the adapters matter
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    rollouts = random_tree_rollouts(random.Random(11), num_rollouts=8)
+    check(model, rollouts, dta.PolicyLoss(kl_coef=0.1), ENGINE_CONFIGS[config_name])
+
+
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "dfs-keep-nobatch-treeorder"])
 def test_sliding_window_shorter_than_the_rollouts(config_name):
     """The cache holds the whole path; the model's own sliding-window mask picks the keys, as in a forward."""

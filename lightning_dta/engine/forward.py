@@ -35,13 +35,23 @@ class ModelInfo:
     attn_implementation: str | None
 
 
+def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    """The keyword arguments ``model`` accepts. Wrappers such as PEFT (LoRA) declare ``**kwargs`` and pass them
+    to the wrapped model, so its arguments (``cache``, ``logits_to_keep``) count too."""
+    params = dict(inspect.signature(model.forward).parameters)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if takes_kwargs and hasattr(model, "get_base_model"):
+        params.update(inspect.signature(model.get_base_model().forward).parameters)
+    return params
+
+
 def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
     """Check that ``model`` can take a KV cache and is not in a mode that silently drops it.
 
     ``uses_cache=False`` (the per-rollout baseline) allows transformers gradient checkpointing, which is then
     harmless: it only drops caches, and that mode passes none.
     """
-    params = inspect.signature(model.forward).parameters
+    params = _forward_parameters(model)
     if "cache" in params:
         cache_arg = "cache"
     elif "past_key_values" in params:
