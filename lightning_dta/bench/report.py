@@ -48,6 +48,7 @@ def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_l
             "speedup_vs_ckpt": checkpointed / r.median if checkpointed else None,
             "efficiency": speedup / stats.compression_ratio if speedup else None,
             "flop_speedup_limit": flop_limit,
+            "fraction_of_flop_limit": speedup / flop_limit if speedup and flop_limit else None,
             "grad_rel_error": r.grad_rel_error,
             "peak_saved_mib": r.peak_saved_bytes / 2**20 if r.peak_saved_bytes is not None else None,
             "peak_rss_growth_mib": r.peak_rss_growth_bytes / 2**20 if r.peak_rss_growth_bytes is not None else None,
@@ -62,15 +63,15 @@ def _fmt(value, spec: str) -> str:
 
 def table(all_rows: list[dict]) -> str:
     header = (f"{'workload':<12} {'mode':<17} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
-              f"{'speedup':>7} {'eff':>5} {'vs ckpt':>7} {'flop lim':>8} {'grad err':>9} {'saved MiB':>9} "
-              f"{'rss MiB':>8} {'cuda MiB':>8}")
+              f"{'speedup':>7} {'eff':>5} {'vs ckpt':>7} {'flop lim':>8} {'of lim':>6} {'grad err':>9} "
+              f"{'saved MiB':>9} {'rss MiB':>8} {'cuda MiB':>8}")
     lines = [header, "-" * len(header)]
     for r in all_rows:
         lines.append(
             f"{r['workload']:<12} {r['mode']:<17} {r['compression']:>5.2f} {r['median_s']:>9.3f} "
             f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['logical_tokens_per_s']:>8.0f} {_fmt(r['speedup'], '.2f'):>7} "
             f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['speedup_vs_ckpt'], '.2f'):>7} "
-            f"{_fmt(r['flop_speedup_limit'], '.2f'):>8} "
+            f"{_fmt(r['flop_speedup_limit'], '.2f'):>8} {_fmt(r['fraction_of_flop_limit'], '.2f'):>6} "
             f"{_fmt(r['grad_rel_error'], '.1e'):>9} {_fmt(r['peak_saved_mib'], '.1f'):>9} "
             f"{_fmt(r['peak_rss_growth_mib'], '.0f'):>8} {_fmt(r['cuda_peak_mib'], '.0f'):>8}")
     return "\n".join(lines)
