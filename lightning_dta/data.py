@@ -12,8 +12,10 @@ Sources (exactly one):
   two halves. One epoch is one pass over the steps (in a seeded random order with ``shuffle``).
 - ``source``: an iterable that yields one step at a time, each a sequence of :class:`~lightning_dta.Rollout`,
   or a callable returning such an iterable (called once per epoch, so that a fresh pass can start; this is
-  where an online rollout generator plugs in). A plain iterator or generator object can be read once: one
-  epoch. Each step is validated when it arrives.
+  where an online rollout generator plugs in, e.g. ``lightning_dta.rl.OnlineRolloutSource``). A plain iterator
+  or generator object can be read once: one epoch. Each step is validated when it arrives. A source with a
+  ``len`` (a list of steps, an online source) gives the epoch that many steps, and Lightning then does not
+  prefetch a step ahead of training.
 
 Resuming. ``state_dict`` records the epoch and how many of its steps were trained; Lightning saves it in the
 checkpoint and a resumed run starts at the next step (an iterable source is re-read from the start of the
@@ -33,7 +35,7 @@ import collections
 import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
 from typing import Any
 
@@ -208,12 +210,20 @@ class RolloutDataModule(L.LightningDataModule):
 
     @property
     def steps_per_epoch(self) -> int | None:
-        """Number of steps in one epoch (``None`` for an iterable source: unknown in advance)."""
+        """Number of steps in one epoch: ``len(source)`` for a source with a length (a list of steps, an online
+        rollout source), ``None`` for other iterable sources (unknown in advance).
+
+        A known length matters beyond progress bars: Lightning prefetches one batch from a loader without a
+        length, so an online source would generate step k+1 before step k is trained (one step off policy).
+        """
         if self.source is not None:
-            return None
-        self.setup()
-        assert self._steps is not None
-        steps = len(self._steps)
+            if not isinstance(self.source, Sized):
+                return None
+            steps = len(self.source)
+        else:
+            self.setup()
+            assert self._steps is not None
+            steps = len(self._steps)
         return steps if self.max_steps_per_epoch is None else min(steps, self.max_steps_per_epoch)
 
     def train_dataloader(self) -> DataLoader:
