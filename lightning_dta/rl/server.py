@@ -1,0 +1,180 @@
+"""``OpenAICompatibleGenerator``: generate with an external inference server (vLLM, SGLang) over HTTP.
+
+On GPUs the usual set-up runs generation in a dedicated server and training in this process. The client sends
+token-id prompts to the OpenAI-compatible ``/v1/completions`` endpoint and reads back token ids and the
+log-prob of each sampled token:
+
+- request: ``prompt`` as a list of token-id lists (one completion per prompt, ``n=1``), ``max_tokens``,
+  ``temperature``, ``top_p``, ``top_k`` (a vLLM/SGLang extension, sent only when > 0), ``seed``, ``logprobs=1``
+  (the sampled token's log-prob is always included), ``stop_token_ids``, ``skip_special_tokens=false``, and the
+  vLLM flags ``return_token_ids`` / ``return_tokens_as_token_ids`` so token ids come back exactly, never
+  re-tokenized from text.
+- response: ``choices[i].index`` (the prompt), ``choices[i].token_ids`` when the server returns them, otherwise
+  ``choices[i].logprobs.tokens`` in vLLM's ``"token_id:123"`` form; ``choices[i].logprobs.token_logprobs``; and
+  ``finish_reason``. A response that gives tokens only as text is refused: re-tokenizing text can produce other
+  ids than the ones sampled, and the log-probs would then belong to different tokens.
+
+Log-probs: vLLM reports the model's raw log-probs by default (``logprobs_mode`` ``raw_logprobs``), i.e. before
+temperature and filters, which is what the training loss compares against; keep that setting.
+
+Weights: after each optimizer step the server must serve the new weights. ``weight_sync="sglang-disk"`` saves
+the policy with ``save_pretrained`` under ``weight_dir`` and asks SGLang to reload it
+(``POST /update_weights_from_disk`` with ``{"model_path": ...}``); any other mechanism (vLLM's weight-update
+endpoints, NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from lightning_dta.rl.generation import Completion, Generator, cut_at_stop
+
+WeightSync = Callable[[nn.Module, int], None]
+
+
+class ServerError(RuntimeError):
+    """The inference server failed or answered in a form the client cannot use; the message says what to change."""
+
+
+class OpenAICompatibleGenerator(Generator):
+    """Sample from a vLLM or SGLang server's ``/v1/completions`` endpoint (see the module docstring).
+
+    Args:
+        base_url: the server, e.g. ``"http://localhost:8000"`` (``/v1/completions`` is appended).
+        model: the served model name (the request's ``model`` field).
+        max_new_tokens, temperature, top_p, top_k: sampling (``top_k=0``: not sent).
+        stop_token_ids: stop tokens besides the tokenizer's EOS.
+        weight_sync: ``"sglang-disk"``, a callable ``(model, version) -> None``, or ``"none"`` to keep the
+            server's weights (evaluation only: RL would keep sampling from the initial policy). Required.
+        weight_dir: where ``"sglang-disk"`` writes each version (a directory the server can read).
+        timeout: seconds per HTTP request.
+        api_key: sent as a bearer token when given.
+        max_prompts_per_request: prompts per HTTP request.
+        extra_body: more request fields (e.g. ``{"repetition_penalty": 1.0}``).
+    """
+
+    def __init__(self, base_url: str, model: str, max_new_tokens: int = 256, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
+                 weight_sync: str | WeightSync | None = None, weight_dir: str | None = None, timeout: float = 600.0,
+                 api_key: str | None = None, max_prompts_per_request: int = 256,
+                 extra_body: dict[str, Any] | None = None) -> None:
+        if max_new_tokens < 1 or max_prompts_per_request < 1:
+            raise ValueError("max_new_tokens and max_prompts_per_request must be >= 1")
+        if isinstance(weight_sync, str) and weight_sync not in ("sglang-disk", "none"):
+            raise ValueError(f"weight_sync={weight_sync!r}; use 'sglang-disk', 'none' or a callable(model, version)")
+        if weight_sync == "sglang-disk" and not weight_dir:
+            raise ValueError("weight_sync='sglang-disk' needs weight_dir, a directory the server can read")
+        self.base_url = base_url.rstrip("/")
+        self.model_name = model
+        self.max_new_tokens = max_new_tokens
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.extra_stop_ids = list(stop_token_ids or [])
+        self.weight_sync, self.weight_dir = weight_sync, weight_dir
+        self.timeout, self.api_key = timeout, api_key
+        self.max_prompts_per_request = max_prompts_per_request
+        self.extra_body = dict(extra_body or {})
+        self.stop_ids: list[int] = list(self.extra_stop_ids)
+        self.version = 0
+
+    def attach(self, policy: nn.Module, *, eos_token_id: int | None, pad_token_id: int | None,
+               share_weights: bool) -> None:
+        """Record the stop tokens and push the policy's current weights (the server may hold older ones, e.g.
+        from before an SFT warm start). ``share_weights`` does not apply: the server always has its own copy."""
+        if self.weight_sync is None:
+            raise ValueError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
+                             "initial weights while the policy trains. Fix: weight_sync='sglang-disk' (with "
+                             "weight_dir), a callable(model, version) that updates your server, or 'none' on purpose")
+        self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
+        if not self.stop_ids:
+            raise ValueError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
+        self.update_weights(policy, self.version)
+
+    def update_weights(self, policy: nn.Module, version: int) -> None:
+        if callable(self.weight_sync):
+            self.weight_sync(policy, version)
+        elif self.weight_sync == "sglang-disk":
+            path = Path(self.weight_dir) / f"version_{version}"
+            policy.save_pretrained(path)
+            reply = self._post("/update_weights_from_disk", {"model_path": str(path)})
+            if isinstance(reply, dict) and reply.get("success") is False:
+                raise ServerError(f"the server refused the weights of version {version} at {path}: "
+                                  f"{reply.get('message', reply)}")
+        self.version = version
+
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int) -> list[Completion]:
+        completions: list[Completion] = []
+        for start in range(0, len(prompts), self.max_prompts_per_request):
+            chunk = [list(p) for p in prompts[start:start + self.max_prompts_per_request]]
+            completions += self._complete(chunk, seed + start)
+        return completions
+
+    def request_body(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model_name, "prompt": prompts, "n": 1, "max_tokens": self.max_new_tokens,
+            "temperature": self.temperature, "top_p": self.top_p, "seed": seed % 2**31, "logprobs": 1,
+            "stop_token_ids": self.stop_ids, "skip_special_tokens": False, "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+        if self.top_k > 0:
+            body["top_k"] = self.top_k
+        return body | self.extra_body
+
+    def _complete(self, prompts: list[list[int]], seed: int) -> list[Completion]:
+        reply = self._post("/v1/completions", self.request_body(prompts, seed))
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prompts):
+            raise ServerError(f"/v1/completions returned {len(choices) if isinstance(choices, list) else 'no'} "
+                              f"choices for {len(prompts)} prompts; the server must answer each prompt once (n=1)")
+        by_prompt = sorted(choices, key=lambda c: c.get("index", 0))
+        return [self._parse_choice(choice, number) for number, choice in enumerate(by_prompt)]
+
+    def _parse_choice(self, choice: dict[str, Any], number: int) -> Completion:
+        logprobs = choice.get("logprobs") or {}
+        token_logprobs = logprobs.get("token_logprobs")
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            tokens = logprobs.get("tokens") or []
+            if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                raise ServerError(
+                    f"choice {number}: the server returned its tokens as text ({tokens[:3]}...), not as ids; "
+                    "re-tokenizing text can give other ids than the sampled ones. Fix: a vLLM that honours "
+                    "return_token_ids or return_tokens_as_token_ids (or start it with --return-tokens-as-token-ids)")
+            token_ids = [int(t.split(":", 1)[1]) for t in tokens]
+        if token_logprobs is None or len(token_logprobs) != len(token_ids):
+            raise ServerError(f"choice {number}: {len(token_ids)} tokens but "
+                              f"{'no' if token_logprobs is None else len(token_logprobs)} token_logprobs; request "
+                              "logprobs=1 from a server that supports it")
+        if any(lp is None for lp in token_logprobs):
+            raise ServerError(f"choice {number}: a generated token has no log-prob (null in token_logprobs)")
+        completion = cut_at_stop([int(t) for t in token_ids], [float(lp) for lp in token_logprobs], set(self.stop_ids))
+        if len(completion.token_ids) < len(token_ids):
+            raise ServerError(f"choice {number}: the server kept generating after a stop token "
+                              f"({token_ids}); send stop_token_ids it honours")
+        if choice.get("finish_reason") == "stop":  # also a stop string, or a stop token the server left out
+            completion.finish_reason = "stop"
+        return completion
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return json.loads(response.read().decode() or "null")
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:500]
+            raise ServerError(f"POST {self.base_url}{path} failed with HTTP {error.code}: {detail}") from error
+        except urllib.error.URLError as error:
+            raise ServerError(f"cannot reach the inference server at {self.base_url}{path}: {error.reason}. Is it "
+                              "running, and is base_url right?") from error
+        except json.JSONDecodeError as error:
+            raise ServerError(f"POST {self.base_url}{path} did not answer with JSON ({error})") from error
