@@ -4,6 +4,7 @@ clear errors; and the RolloutDataModule detail it relies on (a sized source is n
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import types
 
@@ -169,12 +170,13 @@ def test_close_stops_the_thread_and_counts_untrained_steps():
     assert not any(t.name == "lightning-dta-rollouts" and t.is_alive() for t in threading.enumerate())
 
 
-def test_async_rollouts_carry_behaviour_prox_and_ref_logprobs():
-    """old = the (stale) generating weights, prox = the current weights via tree_logprobs, ref = frozen copy."""
+def stale_step(**kwargs) -> tuple[list[dta.Rollout], torch.nn.Module, torch.nn.Module]:
+    """An async step generated with version 0 and handed out at version 1 (the policy changed in between);
+    returns its rollouts, the current policy and a copy of the generating (stale) policy."""
     policy = tiny_policy(scale=2.0)
-    initial = {k: v.clone() for k, v in policy.state_dict().items()}
+    stale_policy = tiny_policy(scale=2.0)
     src = OnlineRolloutSource(ReverseDigits(), HFGenerator(max_new_tokens=6), prompts_per_step=2, samples_per_prompt=3,
-                              mode="async", max_staleness=1, ref_logprobs=True)
+                              mode="async", max_staleness=1, **kwargs)
     src.attach(policy)
     try:
         src.next_step()  # step 0, generated and trained at version 0
@@ -186,17 +188,39 @@ def test_async_rollouts_carry_behaviour_prox_and_ref_logprobs():
         assert src.last_step.staleness == 1
     finally:
         src.close()
+    return rollouts, policy, stale_policy
+
+
+def trained(rollout: dta.Rollout) -> list[int]:
+    return [t for t, m in enumerate(rollout.loss_mask) if m]
+
+
+def test_async_rollouts_carry_behaviour_prox_and_ref_logprobs():
+    """old = the (stale) generating weights, prox = the current weights via tree_logprobs, ref = frozen copy."""
+    rollouts, policy, stale_policy = stale_step(ref_logprobs=True)
     tree = dta.PrefixTree.from_rollouts(rollouts)
     current = dta.tree_logprobs(policy, tree)
-    stale_policy = tiny_policy(scale=2.0)
-    stale_policy.load_state_dict(initial)
     stale = dta.tree_logprobs(stale_policy, tree)
     for r, now, then in zip(rollouts, current, stale):
         assert r.prox_logprobs == pytest.approx([0.0] + now.tolist(), abs=1e-6)
         assert r.ref_logprobs == pytest.approx([0.0] + then.tolist(), abs=1e-6)  # the copy at attach()
-        trained = [t for t, m in enumerate(r.loss_mask) if m]
-        assert [r.old_logprobs[t] for t in trained] == pytest.approx([float(then[t - 1]) for t in trained], abs=1e-5)
-        assert max(abs(r.prox_logprobs[t] - r.old_logprobs[t]) for t in trained) > 1e-3  # really off-policy
+        assert [r.old_logprobs[t] for t in trained(r)] == pytest.approx([float(then[t - 1]) for t in trained(r)],
+                                                                        abs=1e-5)
+        assert max(abs(r.prox_logprobs[t] - r.old_logprobs[t]) for t in trained(r)) > 1e-3  # really off-policy
+
+
+def test_importance_weight_cap_truncates_only_the_large_weights():
+    capped, _, _ = stale_step(importance_weight_cap=1.02)
+    exact, _, _ = stale_step()
+    weights = [math.exp(r.prox_logprobs[t] - r.old_logprobs[t]) for r in exact for t in trained(r)]
+    assert max(weights) > 1.02 and min(weights) < 1.0  # the data exercises both sides of the cap
+    for c, e in zip(capped, exact):
+        assert c.prox_logprobs == e.prox_logprobs
+        for t in trained(c):
+            w = math.exp(e.prox_logprobs[t] - e.old_logprobs[t])
+            assert math.exp(c.prox_logprobs[t] - c.old_logprobs[t]) == pytest.approx(min(w, 1.02), rel=1e-9)
+    with pytest.raises(ValueError, match="importance_weight_cap"):
+        OnlineRolloutSource(ReverseDigits(), importance_weight_cap=0.5)
 
 
 def test_attach_and_next_step_errors_name_the_fix():

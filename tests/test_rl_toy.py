@@ -1,18 +1,22 @@
 """The whole loop on the shipped toy config (configs/toy_rl_cpu.yaml): the reward rises, in sync and async mode.
 
 Both runs are the README command (``lightning-dta fit --config configs/toy_rl_cpu.yaml``) in-process, shortened
-to 100 RL steps after the config's 80-step SFT warm start: about 30 s (sync) and 40 s (async) on 2 CPU cores.
+to 100 RL steps after the config's 80-step SFT warm start: about 30 s (sync) and 40-50 s (async) on 2 CPU cores.
 
-The margin. A run is deterministic for a seed on a given machine (sampling uses its own seeded generator), so
-the test cannot flake by chance on one machine; the margin must survive other BLAS builds and thread counts,
-which change the trajectory like another seed would. Measured with this config, 100 steps, mean reward of the
-first 10 steps -> last 10 steps (each window averages 640 episodes):
+The margin. Measured with this config (lr 1e-3), 100 steps, seeds 0-6 (``seed_everything`` and the source's and
+task's seeds together), mean reward of the first 10 steps -> the last 10 steps (each window averages 640
+episodes; the noise of a window mean is about 0.015):
 
-- sync, seeds 0-6: +0.21, +0.16, +0.18, +0.15, +0.12, +0.09, +0.18 (mean +0.16, smallest +0.09)
-- async (max_staleness 1), seeds 0-2: +0.14, +0.16, +0.16
+- sync:  +0.21, +0.29, +0.24, +0.18, +0.21, +0.05, +0.16
+- async (max_staleness 1, importance_weight_cap 2): +0.22, +0.14, +0.18, +0.14, +0.16, +0.03
 
-The test asserts a rise of at least ``MARGIN = 0.05``: below every seed measured, and about 2.5 standard
-deviations of the seed-to-seed spread below the mean. The noise of one 10-step window mean is about 0.01.
+Seed 5 plateaus near 0.65 in both modes (its entropy falls and the reward stays flat; 32 prompts per step or an
+entropy bonus did not change that): a toy policy can settle on a wrong answer pattern. The test uses seed 0
+(sync 0.613 -> 0.821, async 0.589 -> 0.805) and asserts a rise of ``MARGIN = 0.1``, half of seed 0's rise and
+below 11 of the 13 runs above. Why it does not flake: a run is deterministic on a machine - sampling uses its
+own seeded generator, and the sync reward sequence is bit-identical with 1 and 2 torch threads and between runs.
+In async mode the only timing effect is the version that generates a step (always the previous one here: a
+step's generation takes about a fifth of a training step), and the staleness bound is asserted for every step.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's ad
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 100
 WINDOW = 10
-MARGIN = 0.05
+MARGIN = 0.1
 LOGGED = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_tokens_mean", "rollout/compression_ratio",
           "time/generation_sec", "time/train_sec", "time/wait_sec", "rl/logical_tokens_per_sec", "rl/staleness",
           "throughput/logical_tokens_per_sec", "train/compression_ratio", "train/approx_kl", "train/ratio_mean")

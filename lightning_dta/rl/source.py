@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import queue
 import random
 import statistics
@@ -124,6 +125,12 @@ class OnlineRolloutSource:
             ``advantage_estimator`` unset (the callback refuses both).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
+        importance_weight_cap: async, decoupled only: truncate the decoupled-PPO weight
+            ``w = exp(prox - old)`` at this value (truncated importance sampling, as verl's TIS or AReaL's
+            ``behav_imp_weight_cap``), by raising ``old_logprobs`` to ``prox - log(cap)`` where ``w`` would exceed
+            it. Why: with one optimizer step per batch the PPO clip acts around ``prox`` (ratio 1) and never
+            bounds ``w``, so a token whose probability jumped in the last step can dominate the gradient. ``None``
+            (default): the exact decoupled-PPO loss of DESIGN.md section 4.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
             any warm start), for ``kl_coef > 0``.
         seed: prompts and sampling: step ``i`` uses prompt indices ``[i * prompts_per_step, ...)`` and a seed
@@ -136,8 +143,8 @@ class OnlineRolloutSource:
                  tokenizer: PreTrainedTokenizerBase | str | None = None, prompts_per_step: int = 8,
                  samples_per_prompt: int = 4, steps_per_epoch: int = 1000, mode: str = "sync",
                  max_staleness: int = 1, advantage_estimator: str | None = "grpo", decoupled: bool = True,
-                 ref_logprobs: bool = False, seed: int = 0, add_bos: bool = True,
-                 max_context: int | None = None) -> None:
+                 importance_weight_cap: float | None = None, ref_logprobs: bool = False, seed: int = 0,
+                 add_bos: bool = True, max_context: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; choose one of {MODES}")
         for name, value in (("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
@@ -146,6 +153,9 @@ class OnlineRolloutSource:
                 raise ValueError(f"{name}={value} must be >= 1")
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+        if importance_weight_cap is not None and not importance_weight_cap >= 1.0:
+            raise ValueError(f"importance_weight_cap={importance_weight_cap} must be >= 1 (or None: no cap); below 1 "
+                             "it would shrink the weight of every token that was not off-policy at all")
         if advantage_estimator is not None and advantage_estimator not in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage_estimator={advantage_estimator!r} is unknown; choose one of "
                              f"{sorted(ADVANTAGE_ESTIMATORS)} or None")
@@ -158,6 +168,7 @@ class OnlineRolloutSource:
         self.steps_per_epoch = steps_per_epoch
         self.mode, self.max_staleness = mode, max_staleness
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
+        self.importance_weight_cap = importance_weight_cap
         self.ref_logprobs = ref_logprobs
         self.seed, self.add_bos, self.max_context = seed, add_bos, max_context
         self.policy: nn.Module | None = None
@@ -308,6 +319,11 @@ class OnlineRolloutSource:
             wait_sec=waited, requested_at=requested)
         if self.mode == "async" and self.decoupled:
             self._set_logprobs(rollouts, tree, self.policy, "prox_logprobs")
+            if self.importance_weight_cap is not None:
+                floor = math.log(self.importance_weight_cap)
+                for r in rollouts:
+                    r.old_logprobs = [max(o, p - floor) if m else o
+                                      for o, p, m in zip(r.old_logprobs, r.prox_logprobs, r.loss_mask)]
         if self.ref_model is not None:
             self._set_logprobs(rollouts, tree, self.ref_model, "ref_logprobs")
         info.prepare_sec = time.perf_counter() - start
