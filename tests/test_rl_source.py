@@ -74,6 +74,25 @@ def test_sync_step_structure_and_per_episode_advantages():
     assert src.next_step() and src.last_step.index == 1 and len(src.history) == 2
 
 
+def test_reinforce_baseline_and_no_estimator():
+    """REINFORCE with a mean baseline: each episode's return minus its prompt's mean return, over episodes."""
+    src = source(advantage_estimator="reinforce-baseline")
+    src.attach(tiny_policy())
+    rollouts = src.next_step()
+    episodes = {}
+    for r in rollouts:
+        episodes.setdefault((r.group_id, r.reward), r.advantages)
+    raw = source(advantage_estimator=None)
+    raw.attach(tiny_policy())
+    assert all(r.advantages == 0.0 and r.reward is not None for r in raw.next_step())  # left to the data module
+    info = src.last_step
+    by_prompt = {}
+    for index, reward in enumerate(info.rewards):
+        by_prompt.setdefault(index // 2, []).append(reward)  # 2 samples per prompt, in prompt order
+    expected = {(p, r): r - sum(rs) / len(rs) for p, rs in by_prompt.items() for r in rs}
+    assert episodes == pytest.approx(expected)
+
+
 def test_sized_source_is_not_prefetched_under_a_trainer(tmp_path):
     """Lightning prefetches one batch from a loader without a length. The online source has a length, so each
     step is generated after the previous optimizer step: sync mode is on-policy (staleness 0)."""
