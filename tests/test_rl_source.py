@@ -118,7 +118,7 @@ def test_sized_source_is_not_prefetched_under_a_trainer(tmp_path):
         assert requested_at[:3] == expected, (type(steps).__name__, requested_at)
 
 
-def drive(src: OnlineRolloutSource, steps: int, run_ahead: int = 0) -> list:
+def drive(src: OnlineRolloutSource, steps: int, run_ahead: int = 0, start_version: int = 0) -> list:
     """A minimal training loop: take a step, 'train' it until the background thread has generated ``run_ahead``
     steps ahead (or 10 s passed), publish the next policy version."""
     policy = src.policy
@@ -129,7 +129,7 @@ def drive(src: OnlineRolloutSource, steps: int, run_ahead: int = 0) -> list:
         deadline = threading.Event()
         while src._queue is not None and src._queue.qsize() < run_ahead and not deadline.wait(0.005):
             pass
-        src.update_policy(policy, version + 1)
+        src.update_policy(policy, start_version + version + 1)
     return infos
 
 
@@ -187,6 +187,15 @@ def test_close_stops_the_thread_and_counts_untrained_steps():
     assert not thread.is_alive() and src.discarded_steps == 2
     src.close()  # idempotent
     assert not any(t.name == "lightning-dta-rollouts" and t.is_alive() for t in threading.enumerate())
+    src.attach(src.generator.policy, version=2)  # a second fit continues the step count
+    try:
+        infos = drive(src, steps=2, start_version=2)
+        with pytest.raises(ValueError, match="must not go back"):
+            src.update_policy(src.policy, 1)
+    finally:
+        src.close()
+    assert [i.index for i in infos] == [2, 3] and [i.trained_version for i in infos] == [2, 3]
+    assert all(i.policy_version >= 2 for i in infos)  # generated with the weights given at the new attach()
 
 
 def stale_step(**kwargs) -> tuple[list[dta.Rollout], torch.nn.Module, torch.nn.Module]:

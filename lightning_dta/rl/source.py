@@ -178,6 +178,7 @@ class OnlineRolloutSource:
         self._base_version = 0  # the policy version at attach(): steps are counted from there
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next step to hand out
+        self._first_index = 0  # async: the first step the background thread generates (the count at attach())
         # async machinery
         self._condition = threading.Condition()
         self._queue: queue.Queue[_Generated] | None = None
@@ -229,6 +230,8 @@ class OnlineRolloutSource:
             self.ref_model = copy.deepcopy(policy).requires_grad_(False).eval()
         if self.mode == "async":
             self._stop.clear()
+            self._producer_error = None
+            self._first_index = self._next_index  # a second attach() (another fit) continues the step count
             self._queue = queue.Queue(maxsize=self.max_staleness + 1)
             self._thread = threading.Thread(target=self._produce, name="lightning-dta-rollouts", daemon=True)
             self._thread.start()
@@ -252,6 +255,9 @@ class OnlineRolloutSource:
         """
         if self.policy is None:
             raise RuntimeError("update_policy() before attach()")
+        if version < self._version:
+            raise ValueError(f"policy version {version} must not go back (the policy is at version {self._version}); "
+                             "pass the optimizer step count, e.g. trainer.global_step")
         with self._generation_lock:  # weights and their version change together, between two generations
             self.generator.update_weights(policy, version)
             with self._condition:
@@ -371,9 +377,9 @@ class OnlineRolloutSource:
     def _produce(self) -> None:
         """Generate step after step, each once the policy version allows it, until close()."""
         try:
-            index = 0
+            index = self._first_index
             while not self._stop.is_set():
-                needed = self._base_version + index - self.max_staleness
+                needed = self._base_version + (index - self._first_index) - self.max_staleness
                 with self._condition:
                     while self._version < needed and not self._stop.is_set():
                         self._producer_waiting_for = needed
