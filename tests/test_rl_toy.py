@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_dta import cli
 from lightning_dta.rl import OnlineRLCallback
@@ -66,8 +67,18 @@ def rise(history: list[dict[str, float]]) -> tuple[float, float]:
     return statistics.fmean(rewards[:WINDOW]), statistics.fmean(rewards[-WINDOW:])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The toy model's matrices are tiny: one intra-op thread is as fast as two, the rewards are bit-identical
+    either way, and a single thread does not stall in thread barriers when other jobs share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
-def sync_run(tmp_path_factory: pytest.TempPathFactory):
+def sync_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread):
     return run_toy(tmp_path_factory.mktemp("sync"), "sync")
 
 
