@@ -81,6 +81,20 @@ def write_json(path: Path, meta: dict, all_rows: list[dict], memory_scaling: lis
     path.write_text(json.dumps({"meta": meta, "results": all_rows, "memory_scaling": memory_scaling}, indent=2))
 
 
+def _save(fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:
+    """Label, legend and grid a plot, write it as PNG and close it."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> list[Path]:
     """speed-up vs C across workloads, and peak saved memory vs number of leaves (PNG)."""
     import matplotlib
@@ -102,25 +116,13 @@ def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> lis
     for r in all_rows:
         if r["mode"] == "dfs":
             ax.annotate(r["workload"], (r["compression"], r["speedup"]), fontsize=8)
-    ax.set_xlabel("compression ratio C (logical / tree tokens)")
-    ax.set_ylabel("speed-up over per-rollout training")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(out_dir / "speedup_vs_compression.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, ax, "compression ratio C (logical / tree tokens)", "speed-up over per-rollout training",
+                       out_dir / "speedup_vs_compression.png"))
     if memory_scaling:
         fig, ax = plt.subplots(figsize=(6, 4.5))
         for mode in sorted({m["mode"] for m in memory_scaling}):
             pts = sorted((m["leaves"], m["peak_saved_mib"]) for m in memory_scaling if m["mode"] == mode)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        ax.set_xlabel("leaves (responses per prompt)")
-        ax.set_ylabel("peak bytes saved for backward (MiB)")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        paths.append(out_dir / "memory_vs_leaves.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(fig, ax, "leaves (responses per prompt)", "peak bytes saved for backward (MiB)",
+                           out_dir / "memory_vs_leaves.png"))
     return paths

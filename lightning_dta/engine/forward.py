@@ -104,8 +104,7 @@ class SegmentCache(DynamicCache):
 
 
 def forward_segment(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, start: int,
-                    past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: torch.Tensor | None,
-                    attention_mask: torch.Tensor | None = None
+                    past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: torch.Tensor | None
                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Forward ``input_ids`` ``[B, L]`` at positions ``start .. start+L-1`` after a cache of length ``start``.
 
@@ -115,8 +114,8 @@ def forward_segment(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, 
     batch, length = input_ids.shape
     cache = SegmentCache(past)
     positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
-    if attention_mask is None:
-        attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
+    # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + segment.
+    attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
     kwargs = {info.cache_arg: cache, "use_cache": True}
     if columns is not None and info.logits_to_keep:
         kwargs["logits_to_keep"] = columns.to(input_ids.device)
