@@ -78,7 +78,7 @@ class DTAModule(DFSStepMixin, LightningModule):
             ``{"model_type": "llama", "vocab_size": 256, ...}`` (random init), or an ``nn.Module``.
         model_kwargs: extra arguments for ``from_pretrained``/``from_config`` (``dtype``, ``attn_implementation``).
         clip_eps, clip_eps_high, kl_coef, entropy_coef, agg: the :class:`~lightning_dta.PolicyLoss`.
-        mode, activation, chunk_size, sibling_batch_tokens, order: engine options of
+        mode, activation, chunk_size, sibling_batch_tokens, order, prefix_attention: engine options of
             :func:`~lightning_dta.tree_backward`.
         optimizer: called with the parameters (LightningCLI fills it from ``class_path``/``init_args``). A
             Python callable is not stored in the checkpoint's hyper-parameters (see ``_save_plain_hyperparameters``):
@@ -93,6 +93,7 @@ class DTAModule(DFSStepMixin, LightningModule):
                  entropy_coef: float = 0.0, agg: str = "token-mean",
                  mode: str = "dfs", activation: str = "keep", chunk_size: int | None = None,
                  sibling_batch_tokens: int | None = 4096, order: str = "leaves-first",
+                 prefix_attention: bool | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> None:
         super().__init__()
@@ -104,7 +105,8 @@ class DTAModule(DFSStepMixin, LightningModule):
         self.loss_fn = PolicyLoss(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
                                   entropy_coef=entropy_coef, agg=agg)
         self.engine_kwargs: dict[str, Any] = dict(mode=mode, activation=activation, chunk_size=chunk_size,
-                                                  sibling_batch_tokens=sibling_batch_tokens, order=order)
+                                                  sibling_batch_tokens=sibling_batch_tokens, order=order,
+                                                  prefix_attention=prefix_attention)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.gradient_clip_val = gradient_clip_val

@@ -25,10 +25,14 @@ ENGINE_CONFIGS = {
     "vanilla": dict(mode="vanilla"),
     "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=64),
     "dfs-keep": dict(mode="dfs"),
+    "dfs-keep-prefix-attention": dict(mode="dfs", prefix_attention=True),
+    "dfs-keep-model-attention": dict(mode="dfs", prefix_attention=False),
     "dfs-keep-nobatch-treeorder": dict(mode="dfs", sibling_batch_tokens=None, order="tree"),
     "dfs-keep-chunk": dict(mode="dfs", chunk_size=3),
     "dfs-recompute": dict(mode="dfs", activation="recompute"),
     "dfs-recompute-chunk": dict(mode="dfs", activation="recompute", chunk_size=4),
+    "dfs-recompute-chunk-model-attention": dict(mode="dfs", activation="recompute", chunk_size=4,
+                                                prefix_attention=False),
     "dfs-recompute-chunk1": dict(mode="dfs", activation="recompute", chunk_size=1, sibling_batch_tokens=16),
     "mask": dict(mode="mask"),
     "mask-capped": dict(mode="mask", mask_max_tokens=30),
@@ -168,7 +172,8 @@ def test_sft_is_plain_nll(llama64):
     assert float(loss.detach()) == pytest.approx(nll / count)
 
 
-@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla-batched"])
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-keep-model-attention", "dfs-recompute-chunk", "mask",
+                                         "vanilla-batched"])
 def test_float32_within_1e3(config_name):
     model = make_model("qwen2", torch.float32)
     rollouts = random_tree_rollouts(random.Random(5), num_rollouts=12)
@@ -203,7 +208,8 @@ def test_gradients_add_to_existing_grad(llama64):
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), num=st.integers(1, 14), depth=st.integers(1, 5),
        per_token=st.booleans(), config_name=st.sampled_from(["dfs-keep", "dfs-recompute-chunk", "dfs-keep-chunk",
-                                                            "dfs-recompute", "mask-capped", "mask"]),
+                                                            "dfs-recompute", "dfs-keep-model-attention", "mask-capped",
+                                                            "mask"]),
        agg=st.sampled_from(list(LOSSES)))
 def test_random_trees_property(seed, num, depth, per_token, config_name, agg, llama64):
     rollouts = random_tree_rollouts(random.Random(seed), num_rollouts=num, max_depth=depth, per_token=per_token)

@@ -64,3 +64,38 @@ def test_mask_mode_refuses_attention_kernels_without_4d_masks():
     model.config._attn_implementation = "flash_attention_2"  # only the name is read before refusing
     with pytest.raises(dta.ModelNotSupportedError, match="mode='mask'.*sdpa"):
         dta.tree_backward(model, tiny_tree(), mode="mask")
+
+
+def test_prefix_attention_where_unsupported_is_refused_or_skipped():
+    """A sliding-window model keeps its own attention (which applies the window); asking for prefix attention
+    on it is an error that names the reason."""
+    model = make_model("mistral")
+    with pytest.raises(dta.ModelNotSupportedError, match="prefix_attention=True.*sliding"):
+        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+    dta.tree_backward(model, tiny_tree())  # auto: falls back to the model's attention with a KV cache
+
+
+def test_prefix_attention_switch_is_undone():
+    """The attention implementation is swapped only during a segment's forward, also when one fails."""
+    model = make_model("llama")
+    dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+    assert model.config._attn_implementation == "sdpa"
+
+    def fail(*args):
+        raise RuntimeError("boom")
+
+    handle = model.model.layers[1].register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+    handle.remove()
+    assert model.config._attn_implementation == "sdpa"
+    model(input_ids=torch.tensor([[1, 2, 3]]))  # the model still runs on its own
+
+
+def test_prefix_attention_outside_the_engine_is_an_error():
+    from lightning_dta.engine.prefix_attention import ATTENTION_NAME
+
+    model = make_model("llama")
+    model.config._attn_implementation = ATTENTION_NAME
+    with pytest.raises(RuntimeError, match="only runs inside"):
+        model(input_ids=torch.tensor([[1, 2, 3]]))

@@ -52,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated: grpo, agent, tree-search (a --rollouts-file adds 'file')")
     what.add_argument("--rollouts-file", default=None, help="also benchmark the rollouts of this JSONL file")
     what.add_argument("--modes", default="vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute",
-                      help="training modes to compare (vanilla is always run: it is the baseline)")
+                      help="training modes to compare, from vanilla, vanilla-ckpt, vanilla-batched, mask, dfs, "
+                      "dfs-recompute, dfs-model-attention (dfs with the model's attention over a KV cache instead of "
+                      "prefix attention); vanilla is always run: it is the baseline")
     what.add_argument("--no-logprobs", action="store_true", help="skip forward-only tree_logprobs vs per-rollout")
     what.add_argument("--memory-leaves", default="4,8,16,32,64", type=_ints,
                       help="leaf counts for the peak-memory-vs-leaves sweep (empty string: skip)")

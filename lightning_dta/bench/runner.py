@@ -41,6 +41,9 @@ def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_ba
         "dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
         "dfs-recompute": dict(mode="dfs", activation="recompute", chunk_size=chunk_size,
                               sibling_batch_tokens=sibling_batch_tokens),
+        # dfs with the model's own attention over a KV cache and a causal mask (what runs where prefix
+        # attention does not: GPUs, sliding windows), to measure what prefix attention brings
+        "dfs-model-attention": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens, prefix_attention=False),
     }
 
 

@@ -37,7 +37,8 @@ class TreeBackwardOutput:
 def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None = None, mode: str = "dfs", *,
                   activation: str = "keep", chunk_size: int | None = None, sibling_batch_tokens: int | None = 4096,
                   order: str = "leaves-first", normalizer: float | None = None, mask_max_tokens: int | None = None,
-                  vanilla_batch_tokens: int | None = None) -> TreeBackwardOutput:
+                  vanilla_batch_tokens: int | None = None, prefix_attention: bool | None = None
+                  ) -> TreeBackwardOutput:
     """Add the gradient of the policy loss over every rollout of ``tree`` to the parameters' ``.grad``.
 
     Args:
@@ -55,13 +56,17 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
             A distributed step passes the sum over all ranks so that every rank's gradient shares one scale.
         mask_max_tokens: mask only. Pack at most this many tree tokens per forward (``None``: the whole tree).
         vanilla_batch_tokens: vanilla only. Padded micro-batches of at most this many tokens.
+        prefix_attention: dfs only. Attend to the shared prefix without copying or masking it
+            (:mod:`lightning_dta.engine.prefix_attention`; CPU, full causal attention). ``None`` uses it where the
+            model supports it, ``True`` requires it, ``False`` keeps the model's attention with a KV cache.
     """
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}; choose one of {MODES}")
     loss_fn = loss_fn or PolicyLoss()
     options = DFSOptions(activation=activation, chunk_size=chunk_size, sibling_batch_tokens=sibling_batch_tokens,
                          order=order)
-    info = inspect_model(model, uses_cache=mode != "vanilla")
+    info = inspect_model(model, uses_cache=mode != "vanilla",
+                         prefix_attention=prefix_attention if mode == "dfs" else False)
     if mode == "dfs" and activation == "recompute" and info.has_active_dropout:
         raise ModelNotSupportedError("activation='recompute' re-runs each segment, and active dropout would draw a "
                                      "different mask the second time. Fix: set dropout to 0 or call model.eval().")
@@ -91,8 +96,9 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
 
 
 def tree_logprobs(model: nn.Module, tree: PrefixTree, *, chunk_size: int | None = None,
-                  sibling_batch_tokens: int | None = 4096) -> list[torch.Tensor]:
-    """Forward only: one 1-D tensor per rollout (input order); entry ``t-1`` is ``log p(x_t | x_<t)``."""
-    info = inspect_model(model)
+                  sibling_batch_tokens: int | None = 4096, prefix_attention: bool | None = None) -> list[torch.Tensor]:
+    """Forward only: one 1-D tensor per rollout (input order); entry ``t-1`` is ``log p(x_t | x_<t)``.
+    Options as in :func:`tree_backward`."""
+    info = inspect_model(model, prefix_attention=prefix_attention)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     return tree_logprobs_walk(model, info, tree, chunk_size, sibling_batch_tokens)

@@ -145,7 +145,7 @@ class DFSExecutor:
             input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
         columns = torch.unique(torch.cat([seg.columns for seg in segments])) if with_grad else torch.zeros(0)
         with torch.set_grad_enabled(with_grad):
-            past, leaves_kv = self.kv.past(start, requires_grad=with_grad, batch=len(items))
+            past, leaves_kv = self.kv.past(start, requires_grad=with_grad)
             logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past,
                                              columns.long())
             loss = None

@@ -16,6 +16,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_dta.engine.prefix_attention import attention_configs, segment_attention, unsupported_reason
 from lightning_dta.engine.token_scores import token_scores
 
 
@@ -33,6 +34,9 @@ class ModelInfo:
     device: torch.device
     has_active_dropout: bool
     attn_implementation: str | None
+    # configs whose attention is switched to prefix attention during a segment's forward (empty: the model's
+    # own attention with a KV cache and a causal mask)
+    prefix_attention_configs: tuple = ()
 
 
 def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -45,11 +49,12 @@ def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
     return params
 
 
-def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
+def inspect_model(model: nn.Module, uses_cache: bool = True, prefix_attention: bool | None = None) -> ModelInfo:
     """Check that ``model`` can take a KV cache and is not in a mode that silently drops it.
 
     ``uses_cache=False`` (the per-rollout baseline) allows transformers gradient checkpointing, which is then
-    harmless: it only drops caches, and that mode passes none.
+    harmless: it only drops caches, and that mode passes none. ``prefix_attention``: ``None`` uses
+    :mod:`prefix_attention` where the model supports it, ``True`` requires it, ``False`` never uses it.
     """
     params = _forward_parameters(model)
     if "cache" in params:
@@ -74,8 +79,17 @@ def inspect_model(model: nn.Module, uses_cache: bool = True) -> ModelInfo:
     max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
     first = next(model.parameters())
     dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    attn_implementation = getattr(config, "_attn_implementation", None)
+    configs = ()
+    if uses_cache and prefix_attention is not False:
+        reason = unsupported_reason(model, first.device, attn_implementation)
+        if reason is None:
+            configs = attention_configs(model)
+        elif prefix_attention:
+            raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
+                                         "(use it where possible) or False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, getattr(config, "_attn_implementation", None))
+                     dropout, attn_implementation, configs)
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -106,24 +120,32 @@ class SegmentCache(DynamicCache):
 def forward_segment(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, start: int,
                     past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: torch.Tensor | None
                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Forward ``input_ids`` ``[B, L]`` at positions ``start .. start+L-1`` after a cache of length ``start``.
+    """Forward ``input_ids`` ``[B, L]`` at positions ``start .. start+L-1`` after a prefix of length ``start``.
 
+    ``past`` holds each layer's prefix keys/values ``[1, kv_heads, start, dim]``, shared by the ``B`` rows.
     Returns the logits of the requested ``columns`` ``[B, C, V]`` (all positions if ``None``) and the new
     keys/values of every layer, still attached to the graph when grad is enabled.
     """
     batch, length = input_ids.shape
-    cache = SegmentCache(past)
     positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
-    # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + segment.
-    attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
-    kwargs = {info.cache_arg: cache, "use_cache": True}
+    kwargs = {}
     if columns is not None and info.logits_to_keep:
         kwargs["logits_to_keep"] = columns.to(input_ids.device)
-    out = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask, **kwargs)
-    logits = out.logits
+    if info.prefix_attention_configs:
+        with segment_attention(info.prefix_attention_configs, past) as segment:
+            logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits
+        new_kv = segment.new_kv()
+    else:
+        if past and batch > 1:
+            past = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in past]
+        cache = SegmentCache(past)
+        # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + segment.
+        attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                       **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
+        new_kv = [cache.new_states[i] for i in sorted(cache.new_states)]
     if columns is not None and not info.logits_to_keep:
         logits = logits[:, columns.to(logits.device)]
-    new_kv = [cache.new_states[i] for i in sorted(cache.new_states)]
     return logits, new_kv
 
 

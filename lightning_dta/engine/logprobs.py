@@ -57,7 +57,7 @@ class LogprobWalk:
         input_ids = torch.zeros(len(items), width, dtype=torch.long)
         for i, (node, a, b) in enumerate(items):
             input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
-        past, _ = self.kv.past(start, requires_grad=False, batch=len(items))
+        past, _ = self.kv.past(start, requires_grad=False)
         logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, None)
         for row, (node, a, b) in enumerate(items):
             self._record(logits[row, :b - a], node.rollouts, a, b - a)

@@ -45,11 +45,12 @@ class PathKV:
                     self.key_grads[layer][:, :, start:end].zero_()
                     self.value_grads[layer][:, :, start:end].zero_()
 
-    def past(self, start: int, requires_grad: bool, batch: int = 1) -> tuple[KV | None, list[torch.Tensor]]:
-        """The cache for a segment that starts at ``start``, and the leaf tensors whose grads to collect.
+    def past(self, start: int, requires_grad: bool) -> tuple[KV | None, list[torch.Tensor]]:
+        """The prefix ``[1, kv_heads, start, dim]`` per layer for a segment that starts at ``start``, and the leaf
+        tensors whose grads to collect.
 
-        The leaves share storage with the buffers; no autograd formula saves them (the cache only
-        concatenates), and the shared version counter would raise if one ever did.
+        The leaves are views of the buffers, which later siblings overwrite beyond ``start`` only; positions
+        below ``start`` stay unchanged until the segment is popped.
         """
         if start == 0 or not self.keys:
             return None, []
@@ -59,8 +60,6 @@ class PathKV:
             if requires_grad:
                 k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
                 leaves += [k, v]
-            if batch > 1:
-                k, v = k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)
             past.append((k, v))
         return past, leaves
 
