@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import ModelInfo, forward_segment, row_logits, score
+from lightning_dta.engine.forward import ModelInfo, SegmentBatch, forward_segment, score
 from lightning_dta.engine.path_kv import PathKV
 from lightning_dta.engine.step_data import Segment, StepData
 from lightning_dta.losses import PolicyLoss
@@ -63,13 +63,15 @@ def order_children(node: TreeNode, order: str) -> list[TreeNode]:
     return sorted(node.children, key=lambda c: (not c.is_leaf, c.length if c.is_leaf else len(c.rollouts)))
 
 
-MAX_PADDING = 0.15  # a batch stops growing once padding would exceed this fraction of its computed tokens
+MAX_PADDING = 0.15  # a padded batch stops growing once padding would exceed this fraction of its computed tokens
 
 
-def batch_by_budget(items: list, length, budget: int | None) -> list[list]:
-    """Group items (sorted by length) so that rows x longest row stays within ``budget`` tokens and padding
-    stays under ``MAX_PADDING``: a padded token costs as much as a real one, an extra forward only its fixed
-    overhead."""
+def batch_by_budget(items: list, length, budget: int | None, packed: bool) -> list[list]:
+    """Group items (sorted by length) so that a batch computes at most ``budget`` tokens.
+
+    Packed batches have no padding. Padded batches count rows x longest row and also keep padding under
+    ``MAX_PADDING``: a padded token costs as much as a real one, an extra forward only its fixed overhead.
+    """
     if budget is None:
         return [[item] for item in items]
     batches: list[list] = []
@@ -79,7 +81,8 @@ def batch_by_budget(items: list, length, budget: int | None) -> list[list]:
         if batches:
             rows = len(batches[-1]) + 1
             width = max(longest, size)
-            if rows * width <= budget and rows * width - (real + size) <= MAX_PADDING * rows * width:
+            computed = real + size if packed else rows * width
+            if computed <= budget and computed - (real + size) <= MAX_PADDING * computed:
                 batches[-1].append(item)
                 longest, real = width, real + size
                 continue
@@ -133,24 +136,22 @@ class DFSExecutor:
         for group in groups:
             if self.options.order == "leaves-first":
                 group = sorted(group, key=lambda item: item[2] - item[1])  # similar lengths: little padding
-            for batch in batch_by_budget(group, lambda item: item[2] - item[1], self.options.sibling_batch_tokens):
+            for batch in batch_by_budget(group, lambda item: item[2] - item[1], self.options.sibling_batch_tokens,
+                                         packed=bool(self.info.prefix_attention_configs)):
                 self._visit_batch(batch)
 
-    def _forward(self, items: list[tuple[TreeNode, int, int]], segments: list[Segment], with_grad: bool):
-        """One padded forward of sibling segments over their shared prefix; loss only when ``with_grad``."""
-        start = items[0][1]
-        width = max(b - a for _, a, b in items)
-        input_ids = torch.zeros(len(items), width, dtype=torch.long)
-        for i, (node, a, b) in enumerate(items):  # right padding never reaches real tokens (causal attention)
-            input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
-        columns = torch.unique(torch.cat([seg.columns for seg in segments])) if with_grad else torch.zeros(0)
+    def _batch(self, items: list[tuple[TreeNode, int, int]]) -> SegmentBatch:
+        tokens = [self.tree.tokens(node)[a - node.start:b - node.start] for node, a, b in items]
+        return SegmentBatch(tokens, items[0][1], packed=bool(self.info.prefix_attention_configs))
+
+    def _forward(self, batch: SegmentBatch, segments: list[Segment], with_grad: bool):
+        """One forward of sibling segments over their shared prefix; loss only when ``with_grad``."""
+        columns = [seg.columns if with_grad else seg.columns[:0] for seg in segments]
         with torch.set_grad_enabled(with_grad):
-            past, leaves_kv = self.kv.past(start, requires_grad=with_grad)
-            logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past,
-                                             columns.long())
+            past, leaves_kv = self.kv.past(batch.start, requires_grad=with_grad)
+            per_row, new_kv = forward_segment(self.model, self.info, batch, past, columns)
             loss = None
             if with_grad:
-                per_row = row_logits(logits, columns, [seg.columns for seg in segments])
                 losses = [self._loss(row, seg) for row, seg in zip(per_row, segments) if not seg.empty]
                 loss = sum(losses) if losses else None
         return loss, new_kv, leaves_kv
@@ -165,21 +166,21 @@ class DFSExecutor:
                 return
             items, segments = [k[0] for k in kept], [k[1] for k in kept]
             inner = [False] * len(items)
-        start = items[0][1]
+        batch = self._batch(items)
         keep = self.options.activation == "keep" or not any(inner)
-        loss, new_kv, leaves_kv = self._forward(items, segments, with_grad=keep)
+        loss, new_kv, leaves_kv = self._forward(batch, segments, with_grad=keep)
         kv_grads = None
         if any(inner):
             kv_grads = [torch.zeros_like(t) for pair in new_kv for t in pair]
             for row, ((node, a, b), has_children) in enumerate(zip(items, inner)):
                 if not has_children:
                     continue
-                self.kv.write(a, [(k[row:row + 1, :, :b - a], v[row:row + 1, :, :b - a]) for k, v in new_kv])
+                self.kv.write(a, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
                 self._descend(node, b)
                 for grad, path_grad in zip(kv_grads, self.kv.grads(a, b)):
-                    grad[row:row + 1, :, :b - a] = path_grad
+                    batch.row(grad, row).copy_(path_grad)
             if not keep:  # pop: re-forward the batch with grad, behind the subtrees
-                loss, new_kv, leaves_kv = self._forward(items, segments, with_grad=True)
+                loss, new_kv, leaves_kv = self._forward(batch, segments, with_grad=True)
         outputs, grads = [], []
         if kv_grads is not None:
             outputs += [t for pair in new_kv for t in pair]
@@ -191,4 +192,4 @@ class DFSExecutor:
         pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.kv.collect(start, leaves_kv)
+        self.kv.collect(batch.start, leaves_kv)

@@ -117,36 +117,97 @@ class SegmentCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def forward_segment(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, start: int,
-                    past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Forward ``input_ids`` ``[B, L]`` at positions ``start .. start+L-1`` after a prefix of length ``start``.
+class SegmentBatch:
+    """Sibling segments that start at the same position, forwarded together over their shared prefix.
 
-    ``past`` holds each layer's prefix keys/values ``[1, kv_heads, start, dim]``, shared by the ``B`` rows.
-    Returns the logits of the requested ``columns`` ``[B, C, V]`` (all positions if ``None``) and the new
-    keys/values of every layer, still attached to the graph when grad is enabled.
+    Packed (prefix attention): the segments lie one after another in a single row, no padding. Padded (the
+    model's own attention): one row per segment, right-padded to the longest; padding never reaches real
+    tokens under causal attention.
     """
-    batch, length = input_ids.shape
-    positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+
+    def __init__(self, tokens: list[torch.Tensor], start: int, packed: bool) -> None:
+        self.tokens, self.start, self.packed = tokens, start, packed
+        self.lengths = [len(t) for t in tokens]
+        offsets = [0]
+        for n in self.lengths[:-1]:
+            offsets.append(offsets[-1] + n)
+        self.offsets = offsets
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.offsets, self.lengths))
+
+    def input_ids(self) -> torch.Tensor:
+        if self.packed:
+            return torch.cat(self.tokens)[None]
+        ids = torch.zeros(len(self.tokens), max(self.lengths), dtype=torch.long)
+        for row, t in enumerate(self.tokens):
+            ids[row, :len(t)] = t
+        return ids
+
+    def positions(self) -> torch.Tensor:
+        if self.packed:
+            return torch.cat([torch.arange(self.start, self.start + n) for n in self.lengths])[None]
+        width = max(self.lengths)
+        return torch.arange(self.start, self.start + width).expand(len(self.tokens), width)
+
+    def row(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Segment ``i``'s part of a ``[rows, heads, length, dim]`` tensor (keys, values or their gradients)."""
+        if self.packed:
+            return t[:, :, self.offsets[i]:self.offsets[i] + self.lengths[i]]
+        return t[i:i + 1, :, :self.lengths[i]]
+
+    def keep(self, columns: list[torch.Tensor]) -> torch.Tensor:
+        """The positions to project to logits: each segment's ``columns`` (packed), or their union (padded)."""
+        if self.packed:
+            return torch.cat([c + a for c, a in zip(columns, self.offsets)])
+        return torch.unique(torch.cat(columns))
+
+    def split_logits(self, logits: torch.Tensor, columns: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each segment's logits ``[C_i, V]`` at its own ``columns`` from the logits of :meth:`keep`."""
+        if self.packed:
+            return list(logits[0].split([len(c) for c in columns]))
+        return row_logits(logits, self.keep(columns), columns)
+
+
+def forward_segment(model: nn.Module, info: ModelInfo, batch: SegmentBatch,
+                    past: list[tuple[torch.Tensor, torch.Tensor]] | None, columns: list[torch.Tensor] | None
+                    ) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Forward sibling segments at positions ``batch.start ..`` after a prefix of that length.
+
+    ``past`` holds each layer's prefix keys/values ``[1, kv_heads, start, dim]``, shared by all segments.
+    Returns each segment's logits at its ``columns`` ``[C_i, V]`` (all its positions if ``None``) and the new
+    keys/values of every layer (read a segment's part with ``batch.row``), attached to the graph when grad is
+    enabled.
+    """
+    device = info.device
+    input_ids, positions = batch.input_ids().to(device), batch.positions().to(device)
+    every_position = columns is None
+    if every_position:
+        columns = [torch.arange(n) for n in batch.lengths]
     kwargs = {}
-    if columns is not None and info.logits_to_keep:
-        kwargs["logits_to_keep"] = columns.to(input_ids.device)
+    if info.logits_to_keep and not every_position:
+        kwargs["logits_to_keep"] = batch.keep(columns).to(device)
     if info.prefix_attention_configs:
-        with segment_attention(info.prefix_attention_configs, past) as segment:
+        with segment_attention(info.prefix_attention_configs, past, batch.spans) as segment:
             logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits
         new_kv = segment.new_kv()
     else:
-        if past and batch > 1:
-            past = [(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1)) for k, v in past]
+        rows = input_ids.shape[0]
+        if past and rows > 1:
+            past = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in past]
         cache = SegmentCache(past)
         # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + segment.
-        attention_mask = torch.ones(batch, start + length, dtype=torch.long, device=input_ids.device)
+        attention_mask = torch.ones(rows, batch.start + input_ids.shape[1], dtype=torch.long, device=device)
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
                        **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
         new_kv = [cache.new_states[i] for i in sorted(cache.new_states)]
-    if columns is not None and not info.logits_to_keep:
-        logits = logits[:, columns.to(logits.device)]
-    return logits, new_kv
+    if every_position:
+        rows = logits[0].split(batch.lengths) if batch.packed else [r[:n] for r, n in zip(logits, batch.lengths)]
+        return list(rows), new_kv
+    if not info.logits_to_keep:
+        logits = logits[:, batch.keep(columns).to(logits.device)]
+    return batch.split_logits(logits, columns), new_kv
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool,

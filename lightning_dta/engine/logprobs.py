@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lightning_dta.engine.dfs import batch_by_budget, chunk_end
-from lightning_dta.engine.forward import ModelInfo, forward_segment, loss_dtype
+from lightning_dta.engine.forward import ModelInfo, SegmentBatch, forward_segment, loss_dtype
 from lightning_dta.engine.path_kv import PathKV
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.engine.token_scores import token_scores
@@ -48,22 +48,20 @@ class LogprobWalk:
     def _visit_children(self, node: TreeNode) -> None:
         items = sorted(((c, c.start, chunk_end(c, c.start, self.chunk_size)) for c in node.children),
                        key=lambda item: item[2] - item[1])
-        for batch in batch_by_budget(items, lambda item: item[2] - item[1], self.sibling_batch_tokens):
+        for batch in batch_by_budget(items, lambda item: item[2] - item[1], self.sibling_batch_tokens,
+                                     packed=bool(self.info.prefix_attention_configs)):
             self._visit_batch(batch)
 
     def _visit_batch(self, items: list[tuple[TreeNode, int, int]]) -> None:
-        start = items[0][1]
-        width = max(b - a for _, a, b in items)
-        input_ids = torch.zeros(len(items), width, dtype=torch.long)
-        for i, (node, a, b) in enumerate(items):
-            input_ids[i, :b - a] = self.tree.tokens(node)[a - node.start:b - node.start]
-        past, _ = self.kv.past(start, requires_grad=False)
-        logits, new_kv = forward_segment(self.model, self.info, input_ids.to(self.info.device), start, past, None)
-        for row, (node, a, b) in enumerate(items):
-            self._record(logits[row, :b - a], node.rollouts, a, b - a)
+        tokens = [self.tree.tokens(node)[a - node.start:b - node.start] for node, a, b in items]
+        batch = SegmentBatch(tokens, items[0][1], packed=bool(self.info.prefix_attention_configs))
+        past, _ = self.kv.past(batch.start, requires_grad=False)
+        logits, new_kv = forward_segment(self.model, self.info, batch, past, None)
+        for row_logits, (node, a, b) in zip(logits, items):
+            self._record(row_logits, node.rollouts, a, b - a)
         for row, (node, a, b) in enumerate(items):
             if b < node.end or not node.is_leaf:
-                self.kv.write(a, [(k[row:row + 1, :, :b - a], v[row:row + 1, :, :b - a]) for k, v in new_kv])
+                self.kv.write(a, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
                 if b < node.end:
                     self._visit_batch([(node, b, chunk_end(node, b, self.chunk_size))])
                 else:

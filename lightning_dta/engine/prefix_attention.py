@@ -6,10 +6,11 @@ row plus an explicit lower-right causal mask, which copies the prefix into every
 mask and keeps the kernel from skipping masked blocks. Here the two blocks run as two flash-attention calls
 and are merged with their log-sum-exps, as in cascade / shared-prefix attention kernels:
 
-- the prefix block runs once for all sibling rows, with their queries stacked into one long query sequence
-  (``[1, heads, rows x length, dim]`` against ``[1, kv_heads, prefix, dim]``), so the gradient that reaches
-  the shared keys/values is already summed over the rows;
-- the own block is a square causal attention per row (``is_causal=True``, which skips masked blocks).
+- sibling segments are packed one after another into a single row (no padding; the linear layers see one
+  long sequence), and the prefix block runs once for all of them (``[1, heads, tokens, dim]`` against
+  ``[1, kv_heads, prefix, dim]``), so the gradient that reaches the shared keys/values is already summed;
+- the own block is a square causal attention per segment (``is_causal=True``, which skips masked blocks),
+  so packed segments never see each other.
 
 Backward calls each block's flash backward with the *merged* output and log-sum-exp, which gives that
 block's exact share of the gradient (the softmax normaliser and ``rowsum(dO * O)`` are the full row's).
@@ -38,37 +39,31 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _stack_rows(t: torch.Tensor) -> torch.Tensor:
-    """``[B, H, L, ...]`` -> ``[1, H, B*L, ...]``: every row's queries as one sequence over a shared prefix."""
-    return t.transpose(0, 1).reshape(1, t.shape[1], t.shape[0] * t.shape[2], *t.shape[3:])
-
-
-def _unstack_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    return t.reshape(t.shape[1], rows, t.shape[2] // rows, *t.shape[3:]).transpose(0, 1)
+Spans = tuple[tuple[int, int], ...]  # (offset, length) of each sibling segment packed into one row
 
 
 class PrefixCausalAttention(torch.autograd.Function):
-    """softmax over [prefix keys, own keys (causal)] for ``query`` ``[B, H, L, D]``; prefix ``[1, Hkv, P, D]``
-    shared by the ``B`` rows, own keys/values ``[B, Hkv, L, D]``. Grouped-query heads are native."""
+    """softmax over [prefix keys, own keys (causal within each span)] for packed sibling segments.
+
+    ``query`` ``[1, H, T, D]`` holds the segments one after another (``spans``); the prefix ``[1, Hkv, P, D]`` is
+    shared by all of them; own keys/values ``[1, Hkv, T, D]``. Grouped-query heads are native to the kernels.
+    """
 
     @staticmethod
-    def forward(ctx, query, prefix_keys, prefix_values, keys, values, scale):
-        rows = query.shape[0]
-        own, own_lse = _flash(query, keys, values, 0.0, True, scale=scale)
-        if prefix_keys is None:
-            out, lse = own, own_lse
-        else:
-            shared, shared_lse = _flash(_stack_rows(query), prefix_keys, prefix_values, 0.0, False, scale=scale)
-            shared, shared_lse = _unstack_rows(shared, rows), _unstack_rows(shared_lse, rows)
-            lse = torch.logaddexp(shared_lse, own_lse)
-            out = (shared * torch.exp(shared_lse - lse)[..., None]
-                   + own * torch.exp(own_lse - lse)[..., None]).to(query.dtype)
+    def forward(ctx, query, prefix_keys, prefix_values, keys, values, spans, scale):
+        out, lse = _causal_spans(query, keys, values, spans, scale)
+        if prefix_keys is not None:
+            shared, shared_lse = _flash(query, prefix_keys, prefix_values, 0.0, False, scale=scale)
+            merged = torch.logaddexp(shared_lse, lse)
+            out = (shared * torch.exp(shared_lse - merged)[..., None]
+                   + out * torch.exp(lse - merged)[..., None]).to(query.dtype)
+            lse = merged
         ctx.save_for_backward(query, keys, values, out, lse)
         # The prefix is a view of the path buffers, which are written beyond it while this graph is alive
         # (siblings' subtrees); positions below the segment's start never change before its pop, so it is
         # kept by reference instead of through the version-checked saved-tensor mechanism.
         ctx.prefix = (prefix_keys, prefix_values)
-        ctx.scale = scale
+        ctx.spans, ctx.scale = spans, scale
         return out
 
     @staticmethod
@@ -76,16 +71,39 @@ class PrefixCausalAttention(torch.autograd.Function):
         query, keys, values, out, lse = ctx.saved_tensors
         prefix_keys, prefix_values = ctx.prefix
         grad_out = grad_out.contiguous()
-        grad_query, grad_keys, grad_values = _flash_backward(grad_out, query, keys, values, out, lse, 0.0, True,
-                                                             scale=ctx.scale)
+        if len(ctx.spans) == 1:
+            grad_query, grad_keys, grad_values = _flash_backward(grad_out, query, keys, values, out, lse, 0.0, True,
+                                                                 scale=ctx.scale)
+        else:
+            grad_query, grad_keys, grad_values = (torch.empty_like(query), torch.empty_like(keys),
+                                                  torch.empty_like(values))
+            for a, n in ctx.spans:
+                s = slice(a, a + n)
+                grads = _flash_backward(grad_out[:, :, s], query[:, :, s], keys[:, :, s], values[:, :, s],
+                                        out[:, :, s], lse[:, :, s], 0.0, True, scale=ctx.scale)
+                for total, part in zip((grad_query, grad_keys, grad_values), grads):
+                    total[:, :, s] = part
         grad_prefix_keys = grad_prefix_values = None
         if prefix_keys is not None:
-            rows = query.shape[0]
             grad_shared_query, grad_prefix_keys, grad_prefix_values = _flash_backward(
-                _stack_rows(grad_out), _stack_rows(query), prefix_keys, prefix_values, _stack_rows(out),
-                _stack_rows(lse), 0.0, False, scale=ctx.scale)
-            grad_query = grad_query + _unstack_rows(grad_shared_query, rows)
-        return grad_query, grad_prefix_keys, grad_prefix_values, grad_keys, grad_values, None
+                grad_out, query, prefix_keys, prefix_values, out, lse, 0.0, False, scale=ctx.scale)
+            grad_query += grad_shared_query
+        return grad_query, grad_prefix_keys, grad_prefix_values, grad_keys, grad_values, None, None
+
+
+def _causal_spans(query, keys, values, spans: Spans, scale):
+    """Causal attention within each span (packed segments do not see each other): output and log-sum-exp."""
+    if len(spans) == 1:
+        return _flash(query, keys, values, 0.0, True, scale=scale)
+    out = lse = None
+    for a, n in spans:
+        s = slice(a, a + n)
+        span_out, span_lse = _flash(query[:, :, s], keys[:, :, s], values[:, :, s], 0.0, True, scale=scale)
+        if out is None:
+            out = query.new_empty(query.shape)
+            lse = span_lse.new_empty(query.shape[:3])
+        out[:, :, s], lse[:, :, s] = span_out, span_lse
+    return out, lse
 
 
 @dataclass
@@ -93,6 +111,7 @@ class SegmentAttention:
     """The prefix each layer attends to during one segment's forward, and the new keys/values it produced."""
 
     past: KV | None
+    spans: Spans
     new_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     def new_kv(self) -> KV:
@@ -120,7 +139,9 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"{type(module).__name__} uses attention dropout, soft-capping, sinks or a sliding window; "
                            "the engine should have used the model's own attention (bug in lightning_dta)")
     segment.new_states[layer] = (key, value)
-    out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, scaling)
+    if query.shape[0] != 1:
+        raise RuntimeError("prefix attention takes sibling segments packed into one row (bug in lightning_dta)")
+    out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, segment.spans, scaling)
     return out.transpose(1, 2), None
 
 
@@ -156,10 +177,11 @@ def attention_configs(model: nn.Module) -> tuple:
 
 
 @contextmanager
-def segment_attention(configs: tuple, past: KV | None) -> Iterator[SegmentAttention]:
-    """Run the model's attention as prefix attention over ``past`` for one forward; yields the record of the
-    segment's new keys/values. The implementation switch is undone on exit, even on error."""
-    segment = SegmentAttention(past)
+def segment_attention(configs: tuple, past: KV | None, spans: Spans) -> Iterator[SegmentAttention]:
+    """Run the model's attention as prefix attention over ``past`` for one forward of the packed segments
+    ``spans``; yields the record of their new keys/values. The implementation switch is undone on exit, even on
+    error."""
+    segment = SegmentAttention(past, spans)
     token = _ACTIVE.set(segment)
     previous = [c._attn_implementation_internal for c in configs]
     for c in configs:
