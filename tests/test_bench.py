@@ -39,3 +39,18 @@ def test_bench_help_documents_every_option():
             assert flag in text
         if action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
+
+
+def test_flop_limit_of_known_shapes():
+    from lightning_dta.bench.report import flop_speedup_limit
+
+    model = (16, 2, 40, 64)  # hidden, layers, intermediate, vocab
+    # two identical 10-token rollouts: one 10-token node; forward-only shares everything, so the limit is 2
+    assert flop_speedup_limit([(0, 10)], [10, 10], None, *model) == 2.0
+    # no sharing: 1 whatever the head does
+    assert flop_speedup_limit([(0, 5), (0, 7)], [5, 7], 6, *model) == 1.0
+    # a shared 8-token prompt, two 4-token responses: linear-only compression is 24 / 16 = 1.5; training's head
+    # on trained tokens and the responses' attention over the prompt are not shared, so the limit is lower
+    training = flop_speedup_limit([(0, 8), (8, 4), (8, 4)], [12, 12], 6, *model)
+    forward = flop_speedup_limit([(0, 8), (8, 4), (8, 4)], [12, 12], None, *model)
+    assert 1.0 < training < forward < 1.5

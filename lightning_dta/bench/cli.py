@@ -188,9 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed), vocab_size=config.vocab_size,
                                         max_positions=config.max_position_embeddings)
         trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
-        limit = report.flop_speedup_limit([(n.start, n.length) for n in tree.iter_nodes()],
-                                          [len(t) for t in tree.token_tensors], trained, config.hidden_size,
-                                          config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+        shape_args = ([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors])
+        model_args = (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+        limit = report.flop_speedup_limit(*shape_args, trained, *model_args)
+        forward_limit = report.flop_speedup_limit(*shape_args, None, *model_args)
         bar.set_description(f"bench {name}")
         results = run_training_modes(model, tree, loss_fn, modes, args.repeats, args.warmup, progress)
         if not args.no_logprobs:
@@ -199,12 +200,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             profiles[name] = _profile(model, tree, loss_fn, all_modes[args.profile])
         rows = report.rows(name, tree.stats, results, limit)
         for row in rows:  # logprob rows compare against the per-rollout forward, not the training baseline
-            if row["mode"] == "logprobs-tree":
-                base = results["logprobs-vanilla"].median
-                row["speedup"] = base / row["median_s"]
+            if row["mode"].startswith("logprobs-"):
+                row["speedup"] = results["logprobs-vanilla"].median / row["median_s"]
                 row["efficiency"] = row["speedup"] / row["compression"]
-            elif row["mode"] == "logprobs-vanilla":
-                row["speedup"], row["efficiency"] = 1.0, 1.0 / row["compression"]
+                row["flop_speedup_limit"] = forward_limit
+                row["fraction_of_flop_limit"] = row["speedup"] / forward_limit
         all_rows += rows
     memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, sibling_budget) \
         if args.memory_leaves else []

@@ -9,21 +9,25 @@ from lightning_dta.bench.runner import BASELINE, ModeResult
 from lightning_dta.tree import TreeStats
 
 
-def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[int], trained_tokens: int,
+def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[int], head_tokens: int | None,
                        hidden: int, layers: int, intermediate: int, vocab: int) -> float:
     """The speed-up that perfect kernels would give: per-rollout FLOPs / tree FLOPs.
 
     Linear layers scale with tokens (logical vs tree), attention with (query, key) pairs (per-rollout causal
-    squares vs each node's queries against its prefix), and the LM head with trained tokens, which the tree
-    does not share. ``tree_stats_nodes`` holds each node's ``(start, length)``.
+    squares vs each node's queries against its prefix). ``head_tokens``: training projects the LM head only
+    on the trained tokens, the same number in both (the tree does not share them); ``None`` (forward-only
+    log-probs) projects every position, which the tree shares like the linear layers.
+    ``tree_stats_nodes`` holds each node's ``(start, length)``.
     """
     linear = layers * (4 * hidden * hidden + 3 * hidden * intermediate)
     attention = layers * 2 * hidden
     head = hidden * vocab
+    logical, tree_tokens = sum(lengths), sum(length for _, length in tree_stats_nodes)
     vanilla_pairs = sum(n * (n + 1) / 2 for n in lengths)
     tree_pairs = sum(length * (start + (length + 1) / 2) for start, length in tree_stats_nodes)
-    vanilla = sum(lengths) * linear + vanilla_pairs * attention + trained_tokens * head
-    tree = sum(length for _, length in tree_stats_nodes) * linear + tree_pairs * attention + trained_tokens * head
+    vanilla_head, tree_head = (head_tokens, head_tokens) if head_tokens is not None else (logical, tree_tokens)
+    vanilla = logical * linear + vanilla_pairs * attention + vanilla_head * head
+    tree = tree_tokens * linear + tree_pairs * attention + tree_head * head
     return vanilla / tree
 
 
