@@ -205,6 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row["efficiency"] = row["speedup"] / row["compression"]
                 row["flop_speedup_limit"] = forward_limit
                 row["fraction_of_flop_limit"] = row["speedup"] / forward_limit
+                row["speedup_vs_ckpt"] = None  # checkpointing is a training baseline
         all_rows += rows
     memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, sibling_budget) \
         if args.memory_leaves else []

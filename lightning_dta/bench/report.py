@@ -66,13 +66,13 @@ def _fmt(value, spec: str) -> str:
 
 
 def table(all_rows: list[dict]) -> str:
-    header = (f"{'workload':<12} {'mode':<17} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
+    header = (f"{'workload':<12} {'mode':<19} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
               f"{'speedup':>7} {'eff':>5} {'vs ckpt':>7} {'flop lim':>8} {'of lim':>6} {'grad err':>9} "
               f"{'saved MiB':>9} {'rss MiB':>8} {'cuda MiB':>8}")
     lines = [header, "-" * len(header)]
     for r in all_rows:
         lines.append(
-            f"{r['workload']:<12} {r['mode']:<17} {r['compression']:>5.2f} {r['median_s']:>9.3f} "
+            f"{r['workload']:<12} {r['mode']:<19} {r['compression']:>5.2f} {r['median_s']:>9.3f} "
             f"{r['min_s']:>6.2f}-{r['max_s']:<6.2f} {r['logical_tokens_per_s']:>8.0f} {_fmt(r['speedup'], '.2f'):>7} "
             f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['speedup_vs_ckpt'], '.2f'):>7} "
             f"{_fmt(r['flop_speedup_limit'], '.2f'):>8} {_fmt(r['fraction_of_flop_limit'], '.2f'):>6} "
