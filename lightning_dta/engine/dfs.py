@@ -8,9 +8,11 @@ the push runs without a graph and the pop re-forwards the segment with grad, so 
 keys/values and their gradients plus one segment's activations.
 
 Siblings are pushed together: up to ``sibling_batch_tokens`` tokens of a node's children go through one
-padded forward over the shared prefix (the prefix keys/values are expanded, not copied per child), then each
-child's subtree is walked in turn with that child's keys/values on the path, and the batch is popped with one
-backward. Fewer, larger calls keep the hardware busy; memory grows by at most one batch per tree level.
+forward over the shared prefix (packed into one row under prefix attention, padded rows otherwise; see
+:class:`~lightning_dta.engine.forward.SegmentBatch`), then each child's subtree is walked in turn with that
+child's keys/values on the path, and the batch is popped with one backward. Fewer, larger calls keep the
+hardware busy (each call reads every weight, forward and backward); memory grows by at most one batch per
+tree level.
 """
 
 from __future__ import annotations
