@@ -99,3 +99,20 @@ def test_prefix_attention_outside_the_engine_is_an_error():
     model.config._attn_implementation = ATTENTION_NAME
     with pytest.raises(RuntimeError, match="only runs inside"):
         model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_a_layer_that_hands_over_no_keys_values_is_refused():
+    """If some layer's attention bypasses the engine (a custom attention path, a layer without KV cache), its
+    prefix would be missing for the children: refuse instead of training on something else."""
+    model = make_model("llama")
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
+
+    def bypass(hidden_states, *args, **kwargs):  # mixes tokens without keys/values (a stand-in for SSM layers)
+        return torch.cumsum(hidden_states, dim=1), None
+
+    for prefix_attention in (True, False):
+        attention.forward = bypass
+        with pytest.raises(dta.ModelNotSupportedError, match="1 of its 2 layers"):
+            dta.tree_backward(model, tiny_tree(), prefix_attention=prefix_attention)
+        attention.forward = original

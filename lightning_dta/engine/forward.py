@@ -37,6 +37,7 @@ class ModelInfo:
     # configs whose attention is switched to prefix attention during a segment's forward (empty: the model's
     # own attention with a KV cache and a causal mask)
     prefix_attention_configs: tuple = ()
+    num_layers: int | None = None  # decoder layers, each of which must hand over its new keys/values
 
 
 def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -89,7 +90,7 @@ def inspect_model(model: nn.Module, uses_cache: bool = True, prefix_attention: b
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, attn_implementation, configs)
+                     dropout, attn_implementation, configs, getattr(text_config, "num_hidden_layers", None))
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -202,6 +203,13 @@ def forward_segment(model: nn.Module, info: ModelInfo, batch: SegmentBatch,
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
                        **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
         new_kv = [cache.new_states[i] for i in sorted(cache.new_states)]
+    if info.num_layers is not None and len(new_kv) != info.num_layers:
+        raise ModelNotSupportedError(
+            f"{type(model).__name__} handed over keys/values of {len(new_kv)} of its {info.num_layers} layers in a "
+            "forward; the tree engine needs every layer's (layers without a KV cache, such as linear-attention or "
+            "state-space layers, cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
+            + (", or prefix_attention=False if the model's attention bypasses the attention interface"
+               if info.prefix_attention_configs else "") + ".")
     if every_position:
         rows = logits[0].split(batch.lengths) if batch.packed else [r[:n] for r, n in zip(logits, batch.lengths)]
         return list(rows), new_kv
