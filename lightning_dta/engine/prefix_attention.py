@@ -132,10 +132,10 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} has no layer_idx; lightning_dta cannot tell its layers apart")
     past = segment.past[layer] if segment.past else (None, None)
-    total = (past[0].shape[2] if past[0] is not None else 0) + query.shape[2]
+    longest = (past[0].shape[2] if past[0] is not None else 0) + max(n for _, n in segment.spans)
     window = kwargs.get("sliding_window")
     if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
-            (window is not None and window < total):
+            (window is not None and window < longest):
         raise RuntimeError(f"{type(module).__name__} uses attention dropout, soft-capping, sinks or a sliding window; "
                            "the engine should have used the model's own attention (bug in lightning_dta)")
     segment.new_states[layer] = (key, value)
