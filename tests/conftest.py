@@ -9,6 +9,10 @@ import sys
 import pytest
 import torch
 from transformers import (
+    DiffLlamaConfig,
+    DiffLlamaForCausalLM,
+    DogeConfig,
+    DogeForCausalLM,
     GemmaConfig,
     GemmaForCausalLM,
     GPT2Config,
@@ -56,6 +60,14 @@ def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         config = GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=1, head_dim=8, max_position_embeddings=MAX_POS, **common)
         model = GemmaForCausalLM(config)
+    elif family == "doge":  # builds its own dynamic attention bias and passes it as the mask
+        config = DogeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
+        model = DogeForCausalLM(config)
+    elif family == "diffllama":  # calls attention twice per layer (differential attention)
+        config = DiffLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
+        model = DiffLlamaForCausalLM(config)
     elif family == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=MAX_POS, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)

@@ -65,9 +65,11 @@ def test_every_mode_matches_per_rollout_reference(family, config_name):
     assert out.metrics["trained_tokens"] == sum(sum(r.loss_mask[1:]) for r in rollouts)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma"])
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "doge", "diffllama"])
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask"])
 def test_more_model_families(family, config_name):
+    """Mistral (sliding window), Doge (its own attention bias) and DiffLlama (two attention calls per layer)
+    cannot use prefix attention; the engine falls back to their own attention and stays exact."""
     model = make_model(family)
     rollouts = random_tree_rollouts(random.Random(8), num_rollouts=8)
     check(model, rollouts, dta.PolicyLoss(kl_coef=0.1, entropy_coef=0.01), ENGINE_CONFIGS[config_name])

@@ -116,3 +116,56 @@ def test_a_layer_that_hands_over_no_keys_values_is_refused():
         with pytest.raises(dta.ModelNotSupportedError, match="1 of its 2 layers"):
             dta.tree_backward(model, tiny_tree(), prefix_attention=prefix_attention)
         attention.forward = original
+
+
+@pytest.mark.parametrize("family,reason", [("doge", "own attention mask or bias"),
+                                           ("diffllama", "more than once per layer"),
+                                           ("mistral", "sliding attention window")])
+def test_prefix_attention_refuses_what_it_cannot_compute(family, reason):
+    with pytest.raises(dta.ModelNotSupportedError, match=f"prefix_attention=True, but .*{reason}"):
+        dta.tree_backward(make_model(family), tiny_tree(), prefix_attention=True)
+
+
+def test_attention_dropout_falls_back_to_the_model_attention():
+    model = make_model("llama")
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    model.train()
+    with pytest.raises(dta.ModelNotSupportedError, match="attention dropout"):
+        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+    dta.tree_backward(model, tiny_tree())  # auto: the model's attention applies the dropout itself
+    model.eval()
+    dta.tree_backward(model, tiny_tree(), prefix_attention=True)  # no dropout in eval mode
+
+
+def test_layers_without_keys_values_are_refused():
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    model = Lfm2ForCausalLM(Lfm2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2,
+                                       layer_types=["conv", "full_attention"]))
+    for mode in ("dfs", "mask"):
+        with pytest.raises(dta.ModelNotSupportedError, match=r"layers of type \['conv'\].*mode='vanilla'"):
+            dta.tree_backward(model, tiny_tree(), mode=mode)
+
+
+def test_overlapping_switches_restore_the_model_attention_once():
+    """Two engine runs on one model overlapping in time (threads) must leave the model's own attention."""
+    from lightning_dta.engine.prefix_attention import (
+        ATTENTION_NAME,
+        attention_configs,
+        original_implementation,
+        segment_attention,
+    )
+
+    model = make_model("llama")
+    configs = attention_configs(model)
+    first = segment_attention(configs, None, ((0, 2),))
+    second = segment_attention(configs, None, ((0, 2),))
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert model.config._attn_implementation == ATTENTION_NAME  # the second run is still inside
+    assert original_implementation(model.config) == "sdpa"
+    second.__exit__(None, None, None)
+    assert model.config._attn_implementation == "sdpa"

@@ -139,6 +139,15 @@ def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, sibling
     return out
 
 
+def _path_buffer_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """The dfs path buffers: keys, values and their gradients, per layer, for ``tokens`` positions. They are
+    allocated outside autograd, so the saved-tensor meter does not see them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 4 * config.num_hidden_layers * tokens * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _profile(model, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> str:
     """The top operators of one step (after a warm-up step), by self time."""
     from torch.profiler import ProfilerActivity, profile
@@ -219,7 +228,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             model.zero_grad(set_to_none=True)
             with SavedTensorMeter(model) as meter:
                 tree_backward(model, long_tree, PolicyLoss(), **kwargs)
-            long_rows.append({"mode": mode, "tokens": args.long_len, "peak_saved_mib": meter.peak_bytes / 2**20})
+            path = _path_buffer_bytes(config, args.long_len, DTYPES[args.dtype]) if kwargs["mode"] == "dfs" else 0
+            long_rows.append({"mode": mode, "tokens": args.long_len, "peak_saved_mib": meter.peak_bytes / 2**20,
+                              "path_buffers_mib": path / 2**20, "total_mib": (meter.peak_bytes + path) / 2**20})
         model.zero_grad(set_to_none=True)
     bar.close()
 
@@ -235,11 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             values = [f"{m['leaves']}: {m['peak_saved_mib']:.1f}" for m in memory_scaling if m["mode"] == mode]
             print(f"  {mode:<8} " + "  ".join(values))
     if long_rows:
-        base = long_rows[0]["peak_saved_mib"]
-        print(f"\none {args.long_len}-token rollout, peak bytes saved for backward:")
+        base = long_rows[0]["total_mib"]
+        print(f"\none {args.long_len}-token rollout, peak bytes saved for backward + dfs path key/value buffers:")
         for row in long_rows:
-            print(f"  {row['mode']:<14} {row['peak_saved_mib']:8.1f} MiB  ({row['peak_saved_mib'] / base:.2f} of "
-                  "per-rollout)")
+            print(f"  {row['mode']:<14} {row['peak_saved_mib']:8.1f} + {row['path_buffers_mib']:5.1f} = "
+                  f"{row['total_mib']:8.1f} MiB  ({row['total_mib'] / base:.2f} of per-rollout)")
     if args.out:
         out_dir = Path(args.out)
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -16,12 +16,17 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lightning_dta.engine.prefix_attention import attention_configs, segment_attention, unsupported_reason
+from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.prefix_attention import (
+    attention_configs,
+    original_implementation,
+    probe,
+    segment_attention,
+    unsupported_reason,
+)
 from lightning_dta.engine.token_scores import token_scores
 
-
-class ModelNotSupportedError(TypeError):
-    """The model cannot be trained on a prefix tree (no KV cache, or a setting that breaks exactness)."""
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # layer types that cache keys/values
 
 
 @dataclass(frozen=True)
@@ -80,17 +85,23 @@ def inspect_model(model: nn.Module, uses_cache: bool = True, prefix_attention: b
     max_positions = getattr(text_config, "max_position_embeddings", None) or getattr(text_config, "n_positions", None)
     first = next(model.parameters())
     dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
-    attn_implementation = getattr(config, "_attn_implementation", None)
+    attn_implementation = original_implementation(config) if config is not None else None
+    num_layers = getattr(text_config, "num_hidden_layers", None)
+    cacheless = sorted({kind for kind in getattr(text_config, "layer_types", None) or () if kind not in KV_LAYER_TYPES})
+    if uses_cache and cacheless:
+        raise ModelNotSupportedError(
+            f"{type(model).__name__} has layers of type {cacheless}, which keep no keys/values: a shared prefix "
+            "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
     configs = ()
     if uses_cache and prefix_attention is not False:
-        reason = unsupported_reason(model, first.device, attn_implementation)
+        reason = unsupported_reason(model, first.device) or probe(model, num_layers)
         if reason is None:
             configs = attention_configs(model)
         elif prefix_attention:
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, attn_implementation, configs, getattr(text_config, "num_hidden_layers", None))
+                     dropout, attn_implementation, configs, num_layers)
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -23,6 +23,8 @@ the engine keeps the model's own attention with a KV cache and a mask.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -31,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import AttentionInterface
+
+from lightning_dta.engine.errors import ModelNotSupportedError
 
 ATTENTION_NAME = "lightning_dta_prefix"
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -120,6 +124,43 @@ class SegmentAttention:
 
 _ACTIVE: ContextVar[SegmentAttention | None] = ContextVar("lightning_dta_segment", default=None)
 
+# Keyword arguments that attention modules pass and that do not change what attention computes here. Anything
+# else (sinks, soft-capping, position biases, sparse indices, ...) makes prefix attention refuse the model.
+ALLOWED_KWARGS = frozenset({"position_ids", "use_cache", "sliding_window", "output_router_logits",
+                            "output_attentions", "cache_position"})
+
+
+class UnsupportedAttention(ModelNotSupportedError):
+    """An attention call that prefix attention would not compute exactly."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"prefix attention cannot run this model: {reason}. Fix: "
+                         "tree_backward(..., prefix_attention=False) uses the model's own attention")
+
+
+def _unsupported_call(module: nn.Module, segment: SegmentAttention, prefix_length: int,
+                      attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
+    name = type(module).__name__
+    layer = getattr(module, "layer_idx", None)
+    window = kwargs.get("sliding_window")
+    unknown = sorted(set(kwargs) - ALLOWED_KWARGS)
+    if layer is None:
+        return f"{name} has no layer_idx, so its layers cannot be told apart"
+    if layer in segment.new_states:
+        return f"{name} calls attention more than once per layer"
+    if attention_mask is not None:
+        return f"{name} passes its own attention mask or bias"
+    if dropout:
+        return f"{name} applies attention dropout"
+    if unknown:
+        return f"{name} passes {unknown} to its attention"
+    if kwargs.get("output_attentions"):
+        return "attention weights are requested (output_attentions)"
+    if window is not None and window < prefix_length + max(n for _, n in segment.spans):
+        return f"{name} has a {window}-token sliding window"
+    return None
+
 
 def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
@@ -129,44 +170,31 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if segment is None:
         raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} only runs inside lightning_dta's tree engine")
     layer = getattr(module, "layer_idx", None)
-    if layer is None:
-        raise RuntimeError(f"{type(module).__name__} has no layer_idx; lightning_dta cannot tell its layers apart")
-    past = segment.past[layer] if segment.past else (None, None)
-    longest = (past[0].shape[2] if past[0] is not None else 0) + max(n for _, n in segment.spans)
-    window = kwargs.get("sliding_window")
-    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or \
-            (window is not None and window < longest):
-        raise RuntimeError(f"{type(module).__name__} uses attention dropout, soft-capping, sinks or a sliding window; "
-                           "the engine should have used the model's own attention (bug in lightning_dta)")
+    past = segment.past[layer] if segment.past and layer is not None else (None, None)
+    prefix_length = past[0].shape[2] if past[0] is not None else 0
+    reason = _unsupported_call(module, segment, prefix_length, attention_mask, dropout, kwargs)
+    if reason is None and query.shape[0] != 1:
+        reason = "the batch has more than one row (prefix attention takes segments packed into one row)"
+    if reason is not None:
+        raise UnsupportedAttention(reason)
     segment.new_states[layer] = (key, value)
-    if query.shape[0] != 1:
-        raise RuntimeError("prefix attention takes sibling segments packed into one row (bug in lightning_dta)")
     out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, segment.spans, scaling)
     return out.transpose(1, 2), None
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
 
+# Which configs are switched, and what they held before: the switch is counted per config so that
+# overlapping engine runs on one model (threads) restore the model's own implementation exactly once.
+_SWITCH_LOCK = threading.Lock()
+_SWITCHED: dict[int, list] = {}  # id(config) -> [implementation before the first switch, active switches]
 
-def unsupported_reason(model: nn.Module, device: torch.device, attn_implementation: str | None) -> str | None:
-    """Why this model cannot use prefix attention (``None`` when it can)."""
-    if device.type != "cpu":
-        return f"its kernels are PyTorch's CPU flash attention and the model is on {device.type}"
-    if attn_implementation not in ("sdpa", "eager"):
-        return f"attn_implementation={attn_implementation!r} (prefix attention replaces 'sdpa' or 'eager')"
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
-        return "the model has sliding-window or other non-full attention layers"
-    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
-        return "the model uses a sliding attention window"
-    if getattr(text, "attn_logit_softcapping", None) is not None:
-        return "the model soft-caps attention logits"
-    if model.training and (getattr(text, "attention_dropout", 0.0) or getattr(text, "attn_pdrop", 0.0)):
-        return "attention dropout is active"
-    if not any(getattr(m, "layer_idx", None) is not None for m in model.modules()):
-        return "no attention module has a layer_idx"
-    return None
+
+def original_implementation(config) -> str | None:
+    """The model's own attention implementation, also while the engine has it switched."""
+    with _SWITCH_LOCK:
+        entry = _SWITCHED.get(id(config))
+        return entry[0] if entry else getattr(config, "_attn_implementation", None)
 
 
 def attention_configs(model: nn.Module) -> tuple:
@@ -176,19 +204,71 @@ def attention_configs(model: nn.Module) -> tuple:
     return tuple(configs.values())
 
 
+def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
+    """Why the model's configuration rules prefix attention out (``None``: nothing does; :func:`probe` decides)."""
+    if device.type != "cpu":
+        return f"its kernels are PyTorch's CPU flash attention and the model is on {device.type}"
+    configs = attention_configs(model)
+    if not configs:
+        return "no attention module has a layer_idx"
+    implementations = {original_implementation(c) for c in configs}
+    if not implementations <= {"sdpa", "eager"}:
+        return f"attn_implementation={sorted(map(str, implementations))} (prefix attention replaces 'sdpa' or 'eager')"
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+        return "the model has sliding-window or other non-full attention layers"
+    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+        return "the model uses a sliding attention window"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "the model soft-caps attention logits"
+    return None
+
+
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {training: reason or None}
+
+
+def probe(model: nn.Module, num_layers: int | None) -> str | None:
+    """Run one 2-token forward under prefix attention, checking every attention call (masks, dropout, extra
+    arguments, layers called twice or not at all); the reason it cannot be used, or ``None``. Cached per model
+    and train/eval mode; every later call is checked the same way and raises if something changed."""
+    results = _PROBED.setdefault(model, {})
+    if model.training not in results:
+        device = next(model.parameters()).device
+        reason = None
+        try:
+            with torch.no_grad(), segment_attention(attention_configs(model), None, ((0, 2),)) as segment:
+                model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
+                      position_ids=torch.arange(2, device=device)[None], use_cache=False)
+            if num_layers is not None and len(segment.new_states) != num_layers:
+                reason = f"only {len(segment.new_states)} of its {num_layers} layers call the attention interface"
+        except UnsupportedAttention as error:
+            reason = error.reason
+        results[model.training] = reason
+    return results[model.training]
+
+
 @contextmanager
 def segment_attention(configs: tuple, past: KV | None, spans: Spans) -> Iterator[SegmentAttention]:
     """Run the model's attention as prefix attention over ``past`` for one forward of the packed segments
     ``spans``; yields the record of their new keys/values. The implementation switch is undone on exit, even on
-    error."""
+    error. Another thread using the same model meanwhile would run prefix attention too and fail loudly: a
+    model being trained is not for concurrent use."""
     segment = SegmentAttention(past, spans)
     token = _ACTIVE.set(segment)
-    previous = [c._attn_implementation_internal for c in configs]
-    for c in configs:
-        c._attn_implementation_internal = ATTENTION_NAME
+    with _SWITCH_LOCK:
+        for c in configs:
+            entry = _SWITCHED.setdefault(id(c), [c._attn_implementation_internal, 0])
+            entry[1] += 1
+            c._attn_implementation_internal = ATTENTION_NAME
     try:
         yield segment
     finally:
-        for c, name in zip(configs, previous):
-            c._attn_implementation_internal = name
+        with _SWITCH_LOCK:
+            for c in configs:
+                entry = _SWITCHED[id(c)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    c._attn_implementation_internal = entry[0]
+                    del _SWITCHED[id(c)]
         _ACTIVE.reset(token)
