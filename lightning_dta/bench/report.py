@@ -113,8 +113,9 @@ def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> lis
         pts = [(r["compression"], r["speedup"], r["workload"]) for r in all_rows if r["mode"] == mode]
         ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=mode)
     limits = {(r["workload"], r["compression"], r["flop_speedup_limit"]) for r in all_rows
-              if r["flop_speedup_limit"] is not None}
-    ax.scatter([c for _, c, _ in limits], [f for *_, f in limits], marker="x", color="black", label="FLOP-model limit")
+              if r["flop_speedup_limit"] is not None and not r["mode"].startswith("logprobs")}
+    ax.scatter([c for _, c, _ in limits], [f for *_, f in limits], marker="x", color="black",
+               label="FLOP-model limit (training)")
     limit = max((r["compression"] for r in all_rows), default=1.0) * 1.1
     ax.plot([1, limit], [1, limit], "k--", linewidth=1, label="speed-up = C")
     for r in all_rows:
