@@ -39,7 +39,10 @@ class LogprobWalk:
         seg = self.step.segment(rollouts, start, length, all_positions=True)
         if seg.empty:
             return
-        logp, _ = token_scores(logits[seg.columns.to(logits.device)], seg.targets, self.out.dtype, with_entropy=False)
+        count = seg.columns.numel()
+        # columns are sorted and unique: ending at count-1 means 0..count-1, a view instead of a gathered copy
+        rows = logits[:count] if int(seg.columns[-1]) == count - 1 else logits[seg.columns.to(logits.device)]
+        logp, _ = token_scores(rows, seg.targets, self.out.dtype, with_entropy=False)
         target_pos = start + seg.columns  # position p predicts token p+1, stored at entry p
         index = self.out_offsets[seg.rollouts][:, None] + target_pos[None, :]
         valid = (target_pos[None, :] + 1) < self.step.lengths[seg.rollouts][:, None]
