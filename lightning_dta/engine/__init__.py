@@ -49,8 +49,9 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
         activation: dfs only. ``"keep"`` keeps each segment's graph until it is popped; ``"recompute"`` pushes
             without a graph and re-forwards each segment with grad when it is popped.
         chunk_size: dfs only. Split segments into chunks of at most this many tokens (``None``: no split).
-        sibling_batch_tokens: dfs only. Sibling segments are forwarded as one padded batch of at most this many
-            tokens (rows x longest row); ``None`` forwards each child alone.
+        sibling_batch_tokens: dfs only. Sibling segments are forwarded together, at most this many tokens per
+            forward (packed into one row under prefix attention; padded rows, counted as rows x longest row,
+            otherwise); ``None`` forwards each child alone.
         order: dfs only. ``"leaves-first"`` (leaf children, then subtrees from the smallest) or ``"tree"``.
         normalizer: the step's loss normaliser (see ``PolicyLoss.normalizer``); ``None`` uses this tree's own.
             A distributed step passes the sum over all ranks so that every rank's gradient shares one scale.
