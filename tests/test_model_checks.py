@@ -169,3 +169,18 @@ def test_overlapping_switches_restore_the_model_attention_once():
     assert original_implementation(model.config) == "sdpa"
     second.__exit__(None, None, None)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_probe_leaves_the_random_stream_alone():
+    """Deciding on prefix attention runs a probe forward; with dropout active it must not consume random numbers
+    that training would otherwise have drawn."""
+    from lightning_dta.engine.prefix_attention import probe
+
+    model = make_model("gpt2")
+    model.transformer.drop.p = 0.1
+    model.train()
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    assert probe(model, model.config.num_hidden_layers) is None
+    assert torch.equal(torch.rand(3), expected)

@@ -237,7 +237,9 @@ def probe(model: nn.Module, num_layers: int | None) -> str | None:
         device = next(model.parameters()).device
         reason = None
         try:
-            with torch.no_grad(), segment_attention(attention_configs(model), None, ((0, 2),)) as segment:
+            # fork_rng: the probe must not shift the random stream of training (dropout, router noise)
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), \
+                    segment_attention(attention_configs(model), None, ((0, 2),)) as segment:
                 model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
                       position_ids=torch.arange(2, device=device)[None], use_cache=False)
             if num_layers is not None and len(segment.new_states) != num_layers:
