@@ -139,12 +139,8 @@ class DFSExecutor:
             if self.options.order == "leaves-first":
                 group = sorted(group, key=lambda item: item[2] - item[1])  # similar lengths: little padding
             for batch in batch_by_budget(group, lambda item: item[2] - item[1], self.options.sibling_batch_tokens,
-                                         packed=bool(self.info.prefix_attention_configs)):
+                                         packed=self.info.packs_siblings):
                 self._visit_batch(batch)
-
-    def _batch(self, items: list[tuple[TreeNode, int, int]]) -> SegmentBatch:
-        tokens = [self.tree.tokens(node)[a - node.start:b - node.start] for node, a, b in items]
-        return SegmentBatch(tokens, items[0][1], packed=bool(self.info.prefix_attention_configs))
 
     def _forward(self, batch: SegmentBatch, segments: list[Segment], with_grad: bool):
         """One forward of sibling segments over their shared prefix; loss only when ``with_grad``."""
@@ -168,7 +164,7 @@ class DFSExecutor:
                 return
             items, segments = [k[0] for k in kept], [k[1] for k in kept]
             inner = [False] * len(items)
-        batch = self._batch(items)
+        batch = SegmentBatch.of(self.tree, items, self.info.packs_siblings)
         keep = self.options.activation == "keep" or not any(inner)
         loss, new_kv, leaves_kv = self._forward(batch, segments, with_grad=keep)
         kv_grads = None

@@ -9,6 +9,7 @@ keys/values as they are handed to the cache, so the engine gets them without any
 from __future__ import annotations
 
 import inspect
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from lightning_dta.engine.prefix_attention import (
     unsupported_reason,
 )
 from lightning_dta.engine.token_scores import token_scores
+from lightning_dta.tree import PrefixTree, TreeNode
 
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # layer types that cache keys/values
 
@@ -43,6 +45,11 @@ class ModelInfo:
     # own attention with a KV cache and a causal mask)
     prefix_attention_configs: tuple = ()
     num_layers: int | None = None  # decoder layers, each of which must hand over its new keys/values
+
+    @property
+    def packs_siblings(self) -> bool:
+        """Sibling segments go into one packed row (prefix attention) rather than padded rows."""
+        return bool(self.prefix_attention_configs)
 
 
 def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -94,9 +101,10 @@ def inspect_model(model: nn.Module, uses_cache: bool = True, prefix_attention: b
             "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
     configs = ()
     if uses_cache and prefix_attention is not False:
-        reason = unsupported_reason(model, first.device) or probe(model, num_layers)
+        candidates = attention_configs(model)
+        reason = unsupported_reason(model, first.device, candidates) or probe(model, num_layers)
         if reason is None:
-            configs = attention_configs(model)
+            configs = candidates
         elif prefix_attention:
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or False.")
@@ -140,10 +148,12 @@ class SegmentBatch:
     def __init__(self, tokens: list[torch.Tensor], start: int, packed: bool) -> None:
         self.tokens, self.start, self.packed = tokens, start, packed
         self.lengths = [len(t) for t in tokens]
-        offsets = [0]
-        for n in self.lengths[:-1]:
-            offsets.append(offsets[-1] + n)
-        self.offsets = offsets
+        self.offsets = [0, *itertools.accumulate(self.lengths[:-1])]
+
+    @classmethod
+    def of(cls, tree: PrefixTree, items: list[tuple[TreeNode, int, int]], packed: bool) -> SegmentBatch:
+        """The segments ``(node, start, end)`` of sibling items, which all start at the same position."""
+        return cls([tree.tokens(node)[a - node.start:b - node.start] for node, a, b in items], items[0][1], packed)
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
@@ -175,11 +185,12 @@ class SegmentBatch:
             return torch.cat([c + a for c, a in zip(columns, self.offsets)])
         return torch.unique(torch.cat(columns))
 
-    def split_logits(self, logits: torch.Tensor, columns: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each segment's logits ``[C_i, V]`` at its own ``columns`` from the logits of :meth:`keep`."""
+    def split_logits(self, logits: torch.Tensor, kept: torch.Tensor, columns: list[torch.Tensor]
+                     ) -> list[torch.Tensor]:
+        """Each segment's logits ``[C_i, V]`` at its own ``columns`` from the logits of ``kept`` = :meth:`keep`."""
         if self.packed:
             return list(logits[0].split([len(c) for c in columns]))
-        return row_logits(logits, self.keep(columns), columns)
+        return row_logits(logits, kept, columns)
 
 
 def forward_segment(model: nn.Module, info: ModelInfo, batch: SegmentBatch,
@@ -194,13 +205,11 @@ def forward_segment(model: nn.Module, info: ModelInfo, batch: SegmentBatch,
     """
     device = info.device
     input_ids, positions = batch.input_ids().to(device), batch.positions().to(device)
-    every_position = columns is None
-    if every_position:
-        columns = [torch.arange(n) for n in batch.lengths]
+    kept = None if columns is None else batch.keep(columns)
     kwargs = {}
-    if info.logits_to_keep and not every_position:
-        kwargs["logits_to_keep"] = batch.keep(columns).to(device)
-    if info.prefix_attention_configs:
+    if info.logits_to_keep and kept is not None:
+        kwargs["logits_to_keep"] = kept.to(device)
+    if info.packs_siblings:
         with segment_attention(info.prefix_attention_configs, past, batch.spans) as segment:
             logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits
         new_kv = segment.new_kv()
@@ -220,13 +229,13 @@ def forward_segment(model: nn.Module, info: ModelInfo, batch: SegmentBatch,
             "forward; the tree engine needs every layer's (layers without a KV cache, such as linear-attention or "
             "state-space layers, cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
             + (", or prefix_attention=False if the model's attention bypasses the attention interface"
-               if info.prefix_attention_configs else "") + ".")
-    if every_position:
+               if info.packs_siblings else "") + ".")
+    if kept is None:  # every position
         rows = logits[0].split(batch.lengths) if batch.packed else [r[:n] for r, n in zip(logits, batch.lengths)]
         return list(rows), new_kv
     if not info.logits_to_keep:
-        logits = logits[:, batch.keep(columns).to(logits.device)]
-    return batch.split_logits(logits, columns), new_kv
+        logits = logits[:, kept.to(logits.device)]
+    return batch.split_logits(logits, kept, columns), new_kv
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool,

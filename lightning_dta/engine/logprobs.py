@@ -52,12 +52,11 @@ class LogprobWalk:
         items = sorted(((c, c.start, chunk_end(c, c.start, self.chunk_size)) for c in node.children),
                        key=lambda item: item[2] - item[1])
         for batch in batch_by_budget(items, lambda item: item[2] - item[1], self.sibling_batch_tokens,
-                                     packed=bool(self.info.prefix_attention_configs)):
+                                     packed=self.info.packs_siblings):
             self._visit_batch(batch)
 
     def _visit_batch(self, items: list[tuple[TreeNode, int, int]]) -> None:
-        tokens = [self.tree.tokens(node)[a - node.start:b - node.start] for node, a, b in items]
-        batch = SegmentBatch(tokens, items[0][1], packed=bool(self.info.prefix_attention_configs))
+        batch = SegmentBatch.of(self.tree, items, self.info.packs_siblings)
         past, _ = self.kv.past(batch.start, requires_grad=False)
         logits, new_kv = forward_segment(self.model, self.info, batch, past, None)
         for row_logits, (node, a, b) in zip(logits, items):

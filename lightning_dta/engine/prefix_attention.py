@@ -204,11 +204,11 @@ def attention_configs(model: nn.Module) -> tuple:
     return tuple(configs.values())
 
 
-def unsupported_reason(model: nn.Module, device: torch.device) -> str | None:
-    """Why the model's configuration rules prefix attention out (``None``: nothing does; :func:`probe` decides)."""
+def unsupported_reason(model: nn.Module, device: torch.device, configs: tuple) -> str | None:
+    """Why the model's configuration rules prefix attention out (``None``: nothing does; :func:`probe` decides).
+    ``configs``: :func:`attention_configs` of the model."""
     if device.type != "cpu":
         return f"its kernels are PyTorch's CPU flash attention and the model is on {device.type}"
-    configs = attention_configs(model)
     if not configs:
         return "no attention module has a layer_idx"
     implementations = {original_implementation(c) for c in configs}
