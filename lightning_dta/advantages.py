@@ -116,12 +116,15 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 """The estimators ``estimate_advantages`` knows by name; add an entry to register your own."""
 
 
+def check_advantage_estimator(method: str | None) -> None:
+    """Refuse an estimator name that is not registered (``None``: keep the rollouts' own advantages)."""
+    if method is not None and method not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage_estimator={method!r} is unknown; choose one of "
+                         f"{sorted(ADVANTAGE_ESTIMATORS)} or None (keep the rollouts' own advantages)")
+
+
 def estimate_advantages(rollouts: Sequence[Rollout], method: str | None) -> list[Rollout]:
     """Apply the estimator named ``method`` to one whole step; ``None`` keeps the rollouts' own advantages."""
-    if method is None:
-        return list(rollouts)
-    if method not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage estimator {method!r} is unknown; choose one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)} or None (keep the rollouts' own advantages)")
-    return ADVANTAGE_ESTIMATORS[method](rollouts)
+    check_advantage_estimator(method)
+    return list(rollouts) if method is None else ADVANTAGE_ESTIMATORS[method](rollouts)
 

@@ -199,11 +199,15 @@ PARTITIONERS: dict[str, Callable[..., list[list[int]]]] = {
 }
 
 
+def check_partition_method(method: str) -> None:
+    if method not in PARTITIONERS:
+        raise ValueError(f"partition_method={method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+
+
 def partition(rollouts: Sequence[Rollout] | PrefixTree, world_size: int, method: str = "contiguous",
               attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
     """Split one step's rollouts across ``world_size`` ranks with the partitioner named ``method``."""
-    if method not in PARTITIONERS:
-        raise ValueError(f"partition method {method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+    check_partition_method(method)
     return PARTITIONERS[method](rollouts, world_size, attention_weight)
 
 

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from lightning_dta.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
-from lightning_dta.balance import DEFAULT_ATTENTION_WEIGHT, PARTITIONERS, partition, partition_report
+from lightning_dta.advantages import check_advantage_estimator, estimate_advantages
+from lightning_dta.balance import DEFAULT_ATTENTION_WEIGHT, check_partition_method, partition, partition_report
 from lightning_dta.batch import StepBatch
 from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts
 from lightning_dta.tree import PrefixTree
@@ -139,11 +139,8 @@ class RolloutDataModule(L.LightningDataModule):
             raise ValueError(f"rollouts_per_step={rollouts_per_step} must be >= 1 (or None: one step per file)")
         if max_steps_per_epoch is not None and max_steps_per_epoch < 1:
             raise ValueError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
-        if advantage_estimator is not None and advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator={advantage_estimator!r} is unknown; choose one of "
-                             f"{sorted(ADVANTAGE_ESTIMATORS)} or None")
-        if partition_method not in PARTITIONERS:
-            raise ValueError(f"partition_method={partition_method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+        check_advantage_estimator(advantage_estimator)
+        check_partition_method(partition_method)
         # Plain values only: checkpoints are loaded with torch.load(weights_only=True), which refuses a Path.
         self.save_hyperparameters({
             "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,

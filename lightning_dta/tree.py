@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -169,8 +170,22 @@ class PrefixTree:
         return iter(self.nodes[1:])
 
     def subset(self, indices: Sequence[int]) -> PrefixTree:
-        """A tree over some of the rollouts (in the given order), e.g. one rank's share of a step."""
+        """A tree over some of the rollouts (in the given order), e.g. one rank's share of a step; the tree itself
+        when that is every rollout in order (one rank, one pack)."""
+        if list(indices) == list(range(len(self.rollouts))):
+            return self
         return PrefixTree.from_rollouts([self.rollouts[i] for i in indices], validate=False)
+
+    @cached_property
+    def loss_masks(self) -> list[torch.Tensor]:
+        """Each rollout's effective loss mask (float64); position 0 is never trained (it has no context).
+        Built once per tree: the step normaliser and the engine both read it."""
+        masks = []
+        for rollout in self.rollouts:
+            mask = torch.tensor(rollout.mask(), dtype=torch.float64)
+            mask[0] = 0.0
+            masks.append(mask)
+        return masks
 
     def __repr__(self) -> str:
         s = self.stats

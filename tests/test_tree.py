@@ -96,3 +96,10 @@ def test_subset_keeps_only_the_given_rollouts():
     sub = tree.subset([3, 1, 7])
     assert [r.input_ids for r in sub.rollouts] == [seqs[3], seqs[1], seqs[7]]
     check_invariants(sub)
+
+
+def test_subset_of_every_rollout_in_order_is_the_tree_itself():
+    """One rank (or one mask pack) takes the whole step: no rebuild."""
+    tree = tree_of([1, 2, 3], [1, 2, 4], [5, 6])
+    assert tree.subset([0, 1, 2]) is tree
+    assert tree.subset([1, 0, 2]) is not tree  # another order is another tree

@@ -19,7 +19,13 @@ import torch
 
 from lightning_dta.bench import report
 from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
-from lightning_dta.bench.runner import run_logprob_modes, run_mode, run_training_modes, training_modes
+from lightning_dta.bench.runner import (
+    run_logprob_modes,
+    run_mode,
+    run_training_modes,
+    saved_peak_bytes,
+    training_modes,
+)
 from lightning_dta.bench.workloads import (
     AgentWorkload,
     FileWorkload,
@@ -27,9 +33,7 @@ from lightning_dta.bench.workloads import (
     LongSequenceWorkload,
     TreeSearchWorkload,
 )
-from lightning_dta.engine import tree_backward
 from lightning_dta.losses import PolicyLoss
-from lightning_dta.memory import SavedTensorMeter
 from lightning_dta.tree import PrefixTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -122,20 +126,16 @@ def _workloads(args: argparse.Namespace) -> dict[str, object]:
 def _memory_scaling(model, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None
                     ) -> list[dict]:
     """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
+    modes = {"dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
+             "dfs-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
+             "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        del modes["mask"]  # flash attention takes no 4-D tree mask
     out = []
     for n in leaves:
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
-        modes = {"dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
-                 "dfs-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
-                 "mask": dict(mode="mask"), "vanilla": dict(mode="vanilla")}
-        if model.config._attn_implementation not in ("sdpa", "eager"):
-            del modes["mask"]  # flash attention takes no 4-D tree mask
         for mode, kwargs in modes.items():
-            model.zero_grad(set_to_none=True)
-            with SavedTensorMeter(model) as meter:
-                tree_backward(model, tree, PolicyLoss(), **kwargs)
-            out.append({"mode": mode, "leaves": n, "peak_saved_mib": meter.peak_bytes / 2**20})
-    model.zero_grad(set_to_none=True)
+            out.append({"mode": mode, "leaves": n, "peak_saved_mib": saved_peak_bytes(model, tree, kwargs) / 2**20})
     return out
 
 
@@ -203,18 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         forward_limit = report.flop_speedup_limit(*shape_args, None, *model_args)
         bar.set_description(f"bench {name}")
         results = run_training_modes(model, tree, loss_fn, modes, args.repeats, args.warmup, progress)
-        if not args.no_logprobs:
-            results.update(run_logprob_modes(model, tree, args.repeats, progress))
+        rows = report.rows(name, tree.stats, results, limit)
+        if not args.no_logprobs:  # forward only: against the per-rollout forward, with its own FLOP limit
+            rows += report.rows(name, tree.stats, run_logprob_modes(model, tree, args.repeats, progress),
+                                forward_limit, baseline="logprobs-vanilla")
         if args.profile:
             profiles[name] = _profile(model, tree, loss_fn, all_modes[args.profile])
-        rows = report.rows(name, tree.stats, results, limit)
-        for row in rows:  # logprob rows compare against the per-rollout forward, not the training baseline
-            if row["mode"].startswith("logprobs-"):
-                row["speedup"] = results["logprobs-vanilla"].median / row["median_s"]
-                row["efficiency"] = row["speedup"] / row["compression"]
-                row["flop_speedup_limit"] = forward_limit
-                row["fraction_of_flop_limit"] = row["speedup"] / forward_limit
-                row["speedup_vs_ckpt"] = None  # checkpointing is a training baseline
         all_rows += rows
     memory_scaling = _memory_scaling(model, args.memory_leaves, config.vocab_size, args.seed, sibling_budget) \
         if args.memory_leaves else []
@@ -225,13 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for mode, kwargs in {"vanilla": dict(mode="vanilla"), "dfs": dict(mode="dfs"),
                              "dfs-recompute": dict(mode="dfs", activation="recompute", chunk_size=args.chunk_size)
                              }.items():
-            model.zero_grad(set_to_none=True)
-            with SavedTensorMeter(model) as meter:
-                tree_backward(model, long_tree, PolicyLoss(), **kwargs)
+            saved = saved_peak_bytes(model, long_tree, kwargs)
             path = _path_buffer_bytes(config, args.long_len, DTYPES[args.dtype]) if kwargs["mode"] == "dfs" else 0
-            long_rows.append({"mode": mode, "tokens": args.long_len, "peak_saved_mib": meter.peak_bytes / 2**20,
-                              "path_buffers_mib": path / 2**20, "total_mib": (meter.peak_bytes + path) / 2**20})
-        model.zero_grad(set_to_none=True)
+            long_rows.append({"mode": mode, "tokens": args.long_len, "peak_saved_mib": saved / 2**20,
+                              "path_buffers_mib": path / 2**20, "total_mib": (saved + path) / 2**20})
     bar.close()
 
     print(f"model: {shape['arch']} {config.num_hidden_layers} layers, hidden {config.hidden_size}, "

@@ -31,8 +31,10 @@ def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[in
     return vanilla / tree
 
 
-def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None) -> list[dict]:
-    base = results[BASELINE].median if BASELINE in results else None
+def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None,
+         baseline: str = BASELINE) -> list[dict]:
+    """One record per mode; speed-ups against ``baseline`` (forward-only log-prob rows pass their own)."""
+    base = results[baseline].median if baseline in results else None
     checkpointed = results["vanilla-ckpt"].median if "vanilla-ckpt" in results else None
     out = []
     for name, r in results.items():

@@ -87,6 +87,15 @@ def run_mode(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: di
         tree_backward(model, tree, loss_fn, **kwargs)
 
 
+def saved_peak_bytes(model: nn.Module, tree: PrefixTree, kwargs: dict) -> int:
+    """Peak bytes saved for backward by one ``tree_backward`` of a mode (gradients cleared before and after)."""
+    model.zero_grad(set_to_none=True)
+    with SavedTensorMeter(model) as meter:
+        run_mode(model, tree, PolicyLoss(), kwargs)
+    model.zero_grad(set_to_none=True)
+    return meter.peak_bytes
+
+
 def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, modes: dict[str, dict],
                        repeats: int, warmup: int = 1, progress: Callable[[str], None] | None = None
                        ) -> dict[str, ModeResult]:

@@ -27,14 +27,11 @@ class PeakMemoryMonitor(Callback):
     ``memory/cuda_max_reserved_gib`` when training on a CUDA device.
     """
 
-    def __init__(self) -> None:
-        self.rss_resets = True
-
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self.rss_resets = reset_peak_rss()
+        reset_peak_rss()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

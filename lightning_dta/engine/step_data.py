@@ -19,19 +19,9 @@ from lightning_dta.tree import PrefixTree
 _NAN = float("nan")
 
 
-def loss_masks(tree: PrefixTree) -> list[torch.Tensor]:
-    """Each rollout's effective loss mask; position 0 is never trained (it has no context)."""
-    masks = []
-    for rollout in tree.rollouts:
-        mask = torch.tensor(rollout.mask(), dtype=torch.float64)
-        mask[0] = 0.0
-        masks.append(mask)
-    return masks
-
-
 def tree_loss_normalizer(tree: PrefixTree, loss_fn: PolicyLoss) -> float:
     """This tree's share of the step's loss normaliser; sum it over trees and ranks for a global step."""
-    return loss_fn.normalizer(loss_masks(tree))
+    return loss_fn.normalizer(tree.loss_masks)
 
 
 @dataclass
@@ -59,7 +49,7 @@ class StepData:
         self.lengths = torch.tensor([len(t) for t in tree.token_tensors], dtype=torch.long)
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
         self.tokens = torch.cat(tree.token_tensors)
-        masks = loss_masks(tree)
+        masks = tree.loss_masks
         self.mask = torch.cat(masks)
         self.token_counts = torch.stack([m.sum() for m in masks])
         # Stored in the loss's dtype (float32 unless the model is float64): a large step holds millions of these.

@@ -222,8 +222,9 @@ class HFGenerator(Generator):
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                       generation_config=config, logits_processor=self._processors(generator))
         new_tokens = out.sequences[:, width:].cpu()
-        raw_logits = torch.stack(out.logits, dim=1).float()  # [rows, steps, vocab]: before any warper
-        logprobs = torch.log_softmax(raw_logits, dim=-1).gather(-1, new_tokens[..., None].to(raw_logits.device))
-        logprobs = logprobs[..., 0].cpu()
+        # out.logits: one [rows, vocab] tensor per step, before any warper; score each step on its own so that no
+        # [rows, steps, vocab] copy is made (with a 150K vocabulary that would be gigabytes)
+        logprobs = torch.stack([torch.log_softmax(step.float(), dim=-1).gather(
+            -1, new_tokens[:, s, None].to(step.device))[:, 0] for s, step in enumerate(out.logits)], dim=1).cpu()
         stop_ids = set(self.stop_ids)
         return [cut_at_stop(new_tokens[row].tolist(), logprobs[row].tolist(), stop_ids) for row in range(len(prompts))]

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.advantages import ADVANTAGE_ESTIMATORS, estimate_advantages
+from lightning_dta.advantages import check_advantage_estimator, estimate_advantages
 from lightning_dta.engine import tree_logprobs
 from lightning_dta.rl.environment import Environment, Episode, run_episodes
 from lightning_dta.rl.generation import Generator, HFGenerator
@@ -156,9 +156,7 @@ class OnlineRolloutSource:
         if importance_weight_cap is not None and not importance_weight_cap >= 1.0:
             raise ValueError(f"importance_weight_cap={importance_weight_cap} must be >= 1 (or None: no cap); below 1 "
                              "it would shrink the weight of every token that was not off-policy at all")
-        if advantage_estimator is not None and advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage_estimator={advantage_estimator!r} is unknown; choose one of "
-                             f"{sorted(ADVANTAGE_ESTIMATORS)} or None")
+        check_advantage_estimator(advantage_estimator)
         self.env = env
         self.generator = generator if generator is not None else HFGenerator()
         self._tokenizer_spec = tokenizer

@@ -63,10 +63,15 @@ class ReverseDigits(Environment):
         rng = random.Random(f"reverse-digits:{self.seed}:{index}")
         return "".join(rng.choice("0123456789") for _ in range(rng.randint(self.min_digits, self.max_digits)))
 
+    @staticmethod
+    def prompt(digits: str) -> Observation:
+        """The episode's only observation (also what the warm-start demonstration starts from)."""
+        return digits + ">"
+
     def reset(self, index: int) -> Observation:
         digits = self.question(index)
         self.answer = digits[::-1]
-        return digits + ">"
+        return self.prompt(digits)
 
     def step(self, action: Action) -> StepResult:
         if self.answer is None:
@@ -79,4 +84,4 @@ class ReverseDigits(Environment):
 
     def demonstration(self, index: int) -> list[tuple[Observation, str]]:
         digits = self.question(index)
-        return [(digits + ">", digits[::-1])]
+        return [(self.prompt(digits), digits[::-1])]

@@ -66,6 +66,12 @@ class CalculatorEnv(Environment):
         rng = random.Random(f"calculator:{self.seed}:{index}")
         return rng.randint(self.low, self.high), rng.choice(self.operators), rng.randint(self.low, self.high)
 
+    @staticmethod
+    def prompt(question: tuple[int, str, int]) -> Observation:
+        """The first observation of an episode (also what the warm-start demonstration starts from)."""
+        left, operator, right = question
+        return f"{SYSTEM_PROMPT}q: {left}{operator}{right}\n"
+
     @property
     def answer(self) -> int:
         if self.question is None:
@@ -75,8 +81,7 @@ class CalculatorEnv(Environment):
     def reset(self, index: int) -> Observation:
         self.question = self.make_question(index)
         self.tool_calls = 0
-        left, operator, right = self.question
-        return f"{SYSTEM_PROMPT}q: {left}{operator}{right}\n"
+        return self.prompt(self.question)
 
     def step(self, action: Action) -> StepResult:
         text = action.text.strip()
@@ -96,7 +101,7 @@ class CalculatorEnv(Environment):
         return make_char_tokenizer(self.ALPHABET)
 
     def demonstration(self, index: int) -> list[tuple[Observation, str]]:
-        left, operator, right = self.make_question(index)
-        value = calculate(left, operator, right)
-        prompt = f"{SYSTEM_PROMPT}q: {left}{operator}{right}\n"
-        return [(prompt, f"calc({left}{operator}{right})"), (f"= {value}\n", f"ans({value})")]
+        question = self.make_question(index)
+        left, operator, right = question
+        value = calculate(*question)
+        return [(self.prompt(question), f"calc({left}{operator}{right})"), (f"= {value}\n", f"ans({value})")]
