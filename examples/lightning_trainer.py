@@ -28,10 +28,9 @@ def main(max_steps: int = 4, devices: int = 1, log_dir: str = "runs") -> L.Train
     module = dta.DTAModule(
         {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 512},
-        clip_eps=0.2, agg="token-mean", activation="keep", gradient_clip_val=1.0,
-        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
-    data = RolloutDataModule(path=DATA, rollouts_per_step=16, advantage_estimator="grpo", vocab_size=256,
-                             max_positions=512)
+        loss=dta.PolicyLoss(clip_eps=0.2, agg="token-mean"), engine=dta.EngineOptions(activation="keep"),
+        gradient_clip_val=1.0, optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
+    data = RolloutDataModule(path=DATA, rollouts_per_step=16, advantage_estimator="grpo")  # limits: from the model
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=devices, max_steps=max_steps,
                         log_every_n_steps=1, enable_checkpointing=False, logger=CSVLogger(log_dir, name="example"),
                         callbacks=[dta.TreeThroughputMonitor(window_size=4), dta.PeakMemoryMonitor()])

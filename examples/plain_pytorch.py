@@ -28,6 +28,7 @@ def main(steps: int = 4, rollouts_per_step: int = 16, path: Path = DATA) -> list
     model = AutoModelForCausalLM.from_config(config).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     loss_fn = dta.PolicyLoss(clip_eps=0.2, agg="token-mean")
+    engine = dta.EngineOptions(mode="dfs", activation="keep")  # every option is exact; they trade memory for speed
     rollouts = dta.read_rollouts(path)
     losses = []
     for step in range(steps):
@@ -35,7 +36,7 @@ def main(steps: int = 4, rollouts_per_step: int = 16, path: Path = DATA) -> list
         tree = dta.PrefixTree.from_rollouts(estimate_advantages(chunk, "grpo"))  # GRPO over the whole step
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        out = dta.tree_backward(model, tree, loss_fn, mode="dfs", activation="keep")
+        out = dta.tree_backward(model, tree, loss_fn, engine=engine)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         seconds = time.perf_counter() - start

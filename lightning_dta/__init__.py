@@ -1,6 +1,7 @@
 """lightning_dta: exact depth-first prefix-tree training for RL post-training of LLMs."""
 
 from lightning_dta.engine import (
+    EngineOptions,
     ModelNotSupportedError,
     TreeBackwardOutput,
     tree_backward,
@@ -31,8 +32,7 @@ __all__ = [
     "PeakMemoryMonitor",
     "StepOutput",
     "TreeThroughputMonitor",
-    "dfs_training_step",
-    "tree_step_backward",
+    "EngineOptions",
     "ModelNotSupportedError",
     "PolicyLoss",
     "PrefixTree",
@@ -41,10 +41,12 @@ __all__ = [
     "TreeBackwardOutput",
     "TreeNode",
     "TreeStats",
+    "dfs_training_step",
     "read_rollouts",
     "tree_backward",
     "tree_logprobs",
     "tree_loss_normalizer",
+    "tree_step_backward",
     "validate_rollouts",
     "write_rollouts",
 ]

@@ -22,10 +22,11 @@ scaling, which ``accelerator.backward`` applies and a DFS step does not call.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_dta.engine import EngineOptions
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.step import StepOutput, gradient_norm, tree_step_backward
 from lightning_dta.tree import PrefixTree
@@ -37,7 +38,7 @@ SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
 
 
 def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: PrefixTree | None,
-                             loss_fn: PolicyLoss | None = None, **engine_kwargs: Any) -> StepOutput:
+                             loss_fn: PolicyLoss | None = None, *, engine: EngineOptions | None = None) -> StepOutput:
     """Add the whole step's gradient (all processes) to ``.grad`` of every process; call it on every process.
 
     Args:
@@ -45,7 +46,7 @@ def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: P
         model: the prepared model (DDP-wrapped or not).
         tree: this process's share of the step (``None``: it still joins every collective).
         loss_fn: the policy loss (default ``PolicyLoss()``).
-        engine_kwargs: passed to :func:`~lightning_dta.tree_backward` (``mode``, ``activation``, ...).
+        engine: the :class:`~lightning_dta.EngineOptions` of the step (default ``EngineOptions()``).
 
     Returns:
         Step-wide metrics, identical on every process; ``grad_norm`` is the norm of the summed gradient.
@@ -59,6 +60,6 @@ def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: P
                            "not call. Fix: mixed_precision='bf16' or 'no'.")
     inner = accelerator.unwrap_model(model)
     with accelerator.no_sync(model):
-        out = tree_step_backward(inner, tree, loss_fn, **engine_kwargs)
+        out = tree_step_backward(inner, tree, loss_fn, engine=engine)
     out.grad_norm = gradient_norm(inner.parameters())
     return out

@@ -30,8 +30,11 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
 
     ``run=False`` only parses and instantiates (no subcommand in ``args`` then), which is how tests check a config.
     """
+    from jsonargparse import set_parsing_settings
+
     from lightning_dta.data import RolloutDataModule
 
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
     return LightningCLI(
         DTAModule,
         RolloutDataModule,

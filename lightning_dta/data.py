@@ -42,11 +42,14 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
 
 from lightning_dta.advantages import check_advantage_estimator, estimate_advantages
 from lightning_dta.balance import DEFAULT_ATTENTION_WEIGHT, check_partition_method, partition, partition_report
 from lightning_dta.batch import StepBatch
+from lightning_dta.engine.model_info import model_limits
 from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts
 from lightning_dta.tree import PrefixTree
 
@@ -118,7 +121,8 @@ class RolloutDataModule(L.LightningDataModule):
         shuffle: file sources only: visit the steps in a random order, a new one each epoch.
         seed: the shuffle seed; it must be the same on every rank (all ranks must agree on the step).
         max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
-        vocab_size, max_positions: the model's limits, checked on every rollout at the boundary.
+        vocab_size, max_positions: the model's limits, checked on every rollout at the boundary (default: taken
+            from the model when training starts, see :meth:`connect_model`).
         rank, world_size: override the Trainer's ``global_rank`` / ``world_size`` (tests, custom launchers).
             Without a Trainer and without overrides: rank 0 of 1.
     """
@@ -182,6 +186,7 @@ class RolloutDataModule(L.LightningDataModule):
             return self._world_size
         return self.trainer.world_size if self.trainer is not None else 1
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         """Read and validate the file and estimate its advantages (every rank does: each needs every step)."""
         if self.path is None or self._steps is not None:
@@ -205,6 +210,17 @@ class RolloutDataModule(L.LightningDataModule):
                 steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
         self._steps = steps
 
+    def connect_model(self, model: nn.Module) -> None:
+        """Check rollouts against ``model``'s limits (vocabulary, positions) from now on, where they were not given
+        explicitly. ``DTAModule`` calls it when fitting starts, so a config states the limits once: in the model."""
+        vocab_size, max_positions = model_limits(model)
+        self.vocab_size = self.vocab_size if self.vocab_size is not None else vocab_size
+        self.max_positions = self.max_positions if self.max_positions is not None else max_positions
+        if self._steps is not None:  # a file already read: check it now, before the first step
+            for number, step in enumerate(self._steps):
+                with _located(f"step {number} of {self.path}"):
+                    validate_rollouts(step, vocab_size=self.vocab_size, max_positions=self.max_positions)
+
     @property
     def steps_per_epoch(self) -> int | None:
         """Number of steps in one epoch: ``len(source)`` for a source with a length (a list of steps, an online
@@ -223,6 +239,7 @@ class RolloutDataModule(L.LightningDataModule):
             steps = len(self._steps)
         return steps if self.max_steps_per_epoch is None else min(steps, self.max_steps_per_epoch)
 
+    @override
     def train_dataloader(self) -> DataLoader:
         """A loader of this rank's ``StepBatch`` objects: no batching, no collation, no worker processes.
 
@@ -292,6 +309,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ Lightning hooks
 
+    @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         """Count the step as trained: Lightning hands it to the training step now (prefetched ones wait)."""
         if isinstance(batch, StepBatch) and self._pending:
@@ -301,17 +319,20 @@ class RolloutDataModule(L.LightningDataModule):
                 self._update_finished()
         return batch
 
+    @override
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         """Leave a ``StepBatch`` on the host: the engine moves each segment's data to the model's device."""
         if isinstance(batch, StepBatch):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         """The epoch and the number of its steps already trained (Lightning stores it in checkpoints)."""
         return {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
                 "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume: the next epoch iterated starts at the first step not yet trained."""
         if state_dict.get("steps_per_epoch") != self.steps_per_epoch or state_dict.get("seed") != self.seed:

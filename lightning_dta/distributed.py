@@ -2,7 +2,7 @@
 
 Why not DDP: a DFS step runs one backward per tree node. DDP reduces gradients from hooks that fire during
 backward, so it would either all-reduce once per node (slow) or, under ``no_sync``, leave a parameter touched
-only in ``no_sync`` backwards silently unsynced (DESIGN.md section 6). Instead every rank runs its whole DFS,
+only in ``no_sync`` backwards silently unsynced (``docs/traps.md``). Instead every rank runs its whole DFS,
 then the gradients are summed once, in a few large flattened buckets. Each rank divides its loss by the
 step-wide normaliser, so the cross-rank SUM (not the mean) is the full-step gradient; gloo has no AVG anyway.
 

@@ -1,4 +1,4 @@
-"""The RL policy loss (DESIGN.md section 4), evaluated per (token, rollout) pair.
+"""The RL policy loss (its definition: ``docs/losses.md``), evaluated per (token, rollout) pair.
 
 A shared token appears once in the tree but once per rollout in the loss, so every term is computed on a
 ``[rollouts, positions]`` grid built from the same log-probs: clipping stays exact when rollouts carry
@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum")
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]
+AGGREGATIONS = get_args(Aggregation)
 
 # Names of the raw sums every engine accumulates; metrics are ratios of these, so sums from several trees,
 # micro-steps or ranks can be added before the ratios are taken.
@@ -35,7 +37,7 @@ class TokenData:
     any_ref: bool = False  # whether any rollout of the step has reference log-probs
 
 
-@dataclass
+@dataclass(frozen=True)
 class PolicyLoss:
     """PPO-style clipped policy-gradient loss with decoupled-PPO weights, k3 KL and an entropy bonus.
 
@@ -47,10 +49,15 @@ class PolicyLoss:
     """
 
     clip_eps: float = 0.2
+    """PPO clip range below 1: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: float | None = None
+    """PPO clip range above 1 ("clip-higher"); null: clip_eps."""
     kl_coef: float = 0.0
+    """weight of the k3 KL to the rollouts' ref_logprobs."""
     entropy_coef: float = 0.0
-    agg: str = "token-mean"
+    """weight of the entropy bonus."""
+    agg: Aggregation = "token-mean"
+    """aggregation over the whole step: token-mean, seq-mean-token-mean, seq-mean-token-sum or sum."""
 
     def __post_init__(self) -> None:
         if self.agg not in AGGREGATIONS:

@@ -11,6 +11,7 @@ parse and check a config, and a hub name must not trigger a download (or a 16 GB
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from os import PathLike
@@ -20,8 +21,10 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
+from typing_extensions import override
 
 from lightning_dta.batch import StepBatch
+from lightning_dta.engine import EngineOptions
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.step import DFSStepMixin, StepOutput
 from lightning_dta.tree import PrefixTree
@@ -77,9 +80,9 @@ class DTAModule(DFSStepMixin, LightningModule):
         model: a local path or hub name (``AutoModelForCausalLM.from_pretrained``), a config dict such as
             ``{"model_type": "llama", "vocab_size": 256, ...}`` (random init), or an ``nn.Module``.
         model_kwargs: extra arguments for ``from_pretrained``/``from_config`` (``dtype``, ``attn_implementation``).
-        clip_eps, clip_eps_high, kl_coef, entropy_coef, agg: the :class:`~lightning_dta.PolicyLoss`.
-        mode, activation, chunk_size, sibling_batch_tokens, order, prefix_attention: engine options of
-            :func:`~lightning_dta.tree_backward`.
+        loss: the :class:`~lightning_dta.PolicyLoss` (in YAML a nested block: ``loss: {clip_eps: 0.2, ...}``).
+        engine: the :class:`~lightning_dta.EngineOptions` of every engine call of a step, the forward-only walks
+            of an online rollout source included (in YAML: ``engine: {activation: recompute, ...}``).
         optimizer: called with the parameters (LightningCLI fills it from ``class_path``/``init_args``). A
             Python callable is not stored in the checkpoint's hyper-parameters (see ``_save_plain_hyperparameters``):
             pass it again to the module you resume or load.
@@ -89,46 +92,44 @@ class DTAModule(DFSStepMixin, LightningModule):
     """
 
     def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
-                 clip_eps: float = 0.2, clip_eps_high: float | None = None, kl_coef: float = 0.0,
-                 entropy_coef: float = 0.0, agg: str = "token-mean",
-                 mode: str = "dfs", activation: str = "keep", chunk_size: int | None = None,
-                 sibling_batch_tokens: int | None = 4096, order: str = "leaves-first",
-                 prefix_attention: bool | None = None,
+                 loss: PolicyLoss = PolicyLoss(), engine: EngineOptions = EngineOptions(),  # noqa: B008 (frozen)
                  optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> None:
         super().__init__()
         self.automatic_optimization = False
+        self.loss_fn = loss if isinstance(loss, PolicyLoss) else PolicyLoss(**loss)  # a mapping: from a checkpoint
+        self.engine = EngineOptions.resolve(engine)
         self._save_plain_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else [])
         self.model_spec = None if isinstance(model, nn.Module) else model  # a module is registered once, below
         self.model_kwargs = dict(model_kwargs or {})
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
-        self.loss_fn = PolicyLoss(clip_eps=clip_eps, clip_eps_high=clip_eps_high, kl_coef=kl_coef,
-                                  entropy_coef=entropy_coef, agg=agg)
-        self.engine_kwargs: dict[str, Any] = dict(mode=mode, activation=activation, chunk_size=chunk_size,
-                                                  sibling_batch_tokens=sibling_batch_tokens, order=order,
-                                                  prefix_attention=prefix_attention)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
 
     def _save_plain_hyperparameters(self, ignore: list[str]) -> None:
-        """``save_hyperparameters`` minus Python objects (an optimizer class, a ``functools.partial``).
+        """``save_hyperparameters`` minus Python objects (an optimizer class, a ``functools.partial``), with the loss
+        and the engine options stored as plain dicts.
 
         Lightning resumes with ``torch.load(weights_only=True)``, which refuses arbitrary globals in the
         checkpoint, so a stored ``torch.optim.AdamW`` would make every Python-side checkpoint unloadable. From
         LightningCLI the hyper-parameters are the parsed config (plain data) and are all kept.
         """
-        self.save_hyperparameters(ignore=ignore, frame=inspect.currentframe().f_back)
+        frame = inspect.currentframe().f_back
+        self.save_hyperparameters(ignore=[*ignore, "loss", "engine"], frame=frame)
         opaque = [key for key, value in self.hparams.items() if not _is_plain(value)]
         if opaque:
-            self.save_hyperparameters(ignore=ignore + opaque, frame=inspect.currentframe().f_back)
+            self.save_hyperparameters(ignore=[*ignore, "loss", "engine", *opaque], frame=frame)
+        self.hparams.update(loss=dataclasses.asdict(self.loss_fn), engine=self.engine.to_dict())
 
+    @override
     def configure_model(self) -> None:
         """Build the causal LM once (Lightning may call this hook again, e.g. for ``validate`` after ``fit``)."""
         if self.model is None:
             self.model = build_causal_lm(self.model_spec, self.model_kwargs)
 
+    @override
     def configure_optimizers(self) -> Any:
         if self.model is None:
             raise RuntimeError("configure_model() must run before configure_optimizers()")
@@ -138,10 +139,19 @@ class DTAModule(DFSStepMixin, LightningModule):
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": self.lr_scheduler_factory(optimizer), "interval": "step"}}
 
+    @override
+    def on_fit_start(self) -> None:
+        """Hand the model's limits (vocabulary, positions) to a data module that checks rollouts against them
+        (``RolloutDataModule.connect_model``), so a config states them once: in the model."""
+        connect = getattr(getattr(self.trainer, "datamodule", None), "connect_model", None)
+        if callable(connect) and self.model is not None:
+            connect(self.model)
+
+    @override
     def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:
-        out = self.dfs_training_step(batch, self.loss_fn, model=self.model,
+        out = self.dfs_training_step(batch, self.loss_fn, model=self.model, engine=self.engine,
                                      gradient_clip_val=self.gradient_clip_val,
-                                     gradient_clip_algorithm=self.gradient_clip_algorithm, **self.engine_kwargs)
+                                     gradient_clip_algorithm=self.gradient_clip_algorithm)
         lr = self.optimizers().optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler = self.lr_schedulers()
         if scheduler is not None:

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_dta.batch import StepBatch
 from lightning_dta.distributed import DEFAULT_BUCKET_MB, all_reduce_sum, collective_device, sum_gradients
-from lightning_dta.engine import TreeBackwardOutput, tree_backward, tree_loss_normalizer
+from lightning_dta.engine import EngineOptions, TreeBackwardOutput, tree_backward, tree_loss_normalizer
 from lightning_dta.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
 from lightning_dta.tree import PrefixTree
 
@@ -79,19 +79,19 @@ def step_normalizer(tree: PrefixTree | None, loss_fn: PolicyLoss, device: torch.
 
 
 def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: PolicyLoss | None = None, *,
-                       mode: str = "dfs", bucket_mb: float = DEFAULT_BUCKET_MB, **engine_kwargs: Any) -> StepOutput:
+                       engine: EngineOptions | None = None, bucket_mb: float = DEFAULT_BUCKET_MB) -> StepOutput:
     """Add the gradient of the WHOLE step's loss to ``.grad`` on every rank (steps 1-3 above).
 
     Call it on every rank, also on one with ``tree=None``: it still joins each collective. The gradients
-    already in ``.grad`` are summed over ranks too, so zero them first. ``engine_kwargs`` go to
-    :func:`~lightning_dta.tree_backward` (``activation``, ``chunk_size``, ``sibling_batch_tokens``, ...).
+    already in ``.grad`` are summed over ranks too, so zero them first. ``engine``: the
+    :class:`~lightning_dta.EngineOptions` of :func:`~lightning_dta.tree_backward`.
     """
     loss_fn = loss_fn or PolicyLoss()
     device = collective_device(model)
     normalizer = step_normalizer(tree, loss_fn, device)
     local = None
     if tree is not None and tree.stats.num_rollouts > 0:
-        local = tree_backward(model, tree, loss_fn, mode, normalizer=normalizer, **engine_kwargs)
+        local = tree_backward(model, tree, loss_fn, engine=engine, normalizer=normalizer)
     values = [0.0] * (1 + len(METRIC_SUMS) + len(_COUNTS))
     if local is not None:
         values = [local.loss] + [local.sums.get(k, 0.0) for k in METRIC_SUMS] + \
@@ -142,8 +142,8 @@ def _check_trainer(trainer: pl.Trainer) -> None:
 
 def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree | None,
                       loss_fn: PolicyLoss | None = None, optimizer: Optimizer | None = None, *,
-                      model: nn.Module | None = None, gradient_clip_val: float | None = None,
-                      gradient_clip_algorithm: str = "norm", mode: str = "dfs", **engine_kwargs: Any) -> StepOutput:
+                      model: nn.Module | None = None, engine: EngineOptions | None = None,
+                      gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> StepOutput:
     """One complete optimizer step from a manual-optimization ``LightningModule``'s ``training_step``.
 
     Zeroes the gradients, runs :func:`tree_step_backward` (normaliser all-reduce, DFS, one gradient sum over
@@ -158,9 +158,9 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
         loss_fn: the policy loss (default ``PolicyLoss()``).
         optimizer: the optimizer to step (default: the module's only optimizer).
         model: the causal LM to train (default ``module.model``).
+        engine: the :class:`~lightning_dta.EngineOptions` (default ``EngineOptions()``).
         gradient_clip_val: clip the summed gradient to this norm (or value); ``None``/0 = no clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``, as in Lightning.
-        mode, engine_kwargs: passed to :func:`~lightning_dta.tree_backward`.
     """
     model = model if model is not None else getattr(module, "model", None)
     if not isinstance(model, nn.Module):
@@ -172,7 +172,7 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
     opt = _lightning_optimizer(module, optimizer)
     opt.zero_grad(set_to_none=True)
     bucket_mb = getattr(trainer.strategy, "bucket_mb", DEFAULT_BUCKET_MB)
-    out = tree_step_backward(model, batch_tree(batch), loss_fn, mode=mode, bucket_mb=bucket_mb, **engine_kwargs)
+    out = tree_step_backward(model, batch_tree(batch), loss_fn, engine=engine, bucket_mb=bucket_mb)
     out.grad_norm = gradient_norm(model.parameters())
     if gradient_clip_val:
         module.clip_gradients(opt, gradient_clip_val=gradient_clip_val,

@@ -2,7 +2,7 @@
 
 A DFS step runs one backward per tree node. ``DistributedDataParallel`` reduces gradients from autograd hooks
 during backward, so it would all-reduce once per node, or, under ``no_sync``, leave a parameter touched only in
-``no_sync`` backwards silently unsynced (DESIGN.md section 6). This strategy therefore keeps every rank's module
+``no_sync`` backwards silently unsynced (``docs/traps.md``). This strategy therefore keeps every rank's module
 unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) relies on:
 
 - identical weights on every rank: rank 0's parameters and buffers are broadcast at setup (also after a
@@ -35,7 +35,7 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.nn import Module
+from typing_extensions import override
 
 from lightning_dta.distributed import DEFAULT_BUCKET_MB, broadcast_module
 
@@ -71,6 +71,7 @@ class DTAStrategy(DDPStrategy):
     def _single_process(self) -> bool:
         return self.num_nodes * self.num_processes <= 1
 
+    @override
     def _configure_launcher(self) -> None:
         """No launcher for a single process. Lightning's subprocess launcher would otherwise export
         ``LOCAL_RANK``/``MASTER_PORT`` into this process's environment even for one device, and a later
@@ -80,6 +81,7 @@ class DTAStrategy(DDPStrategy):
             return
         super()._configure_launcher()
 
+    @override
     def setup_distributed(self) -> None:
         """Create the process group, except on a single process where every collective is a no-op anyway
         (no port to bind, nothing to tear down)."""
@@ -88,9 +90,14 @@ class DTAStrategy(DDPStrategy):
             return
         super().setup_distributed()
 
+    @override
     def setup(self, trainer: Trainer) -> None:
         """``DDPStrategy.setup`` without the wrapper: convert precision, move to the device, broadcast the weights
-        of rank 0 (they may differ: random init, or a restore on rank 0 only), then build the optimizers."""
+        of rank 0 (they may differ: random init, or a restore on rank 0 only), then build the optimizers.
+
+        Copied rather than inherited because ``DDPStrategy.setup`` wraps the module (``configure_ddp``) when
+        fitting and otherwise syncs module states through the default process group, which a single-process
+        ``DTAStrategy`` never creates; ``broadcast_module`` serves both cases and is a no-op on one process."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -105,12 +112,11 @@ class DTAStrategy(DDPStrategy):
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    @override
     def configure_ddp(self) -> None:
         """Nothing to wrap (kept so code that calls ``DDPStrategy.configure_ddp`` still works)."""
 
-    def _setup_model(self, model: Module) -> Module:
-        return model
-
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         lm = self.lightning_module
         if lm is not None and lm.automatic_optimization:
@@ -121,6 +127,7 @@ class DTAStrategy(DDPStrategy):
         return super().training_step(*args, **kwargs)
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         for name, start_method in (("dta", "popen"), ("dta_spawn", "spawn"), ("dta_fork", "fork")):
             if name not in strategy_registry:

@@ -1,120 +1,47 @@
-"""Tiny models and rollout generators shared by the tests."""
+"""Test configuration: markers, the process-group teardown, the hypothesis profile, shared fixtures.
+
+Markers (``--strict-markers``: a typo is an error):
+
+- ``gpu``: needs CUDA; skipped where there is none (run them with ``pytest -m gpu`` on a GPU machine);
+- ``distributed``: starts several processes (gloo on the CPU);
+- ``slow``: takes more than ~15 s on 2 CPU cores (deselect with ``-m "not slow"`` for a quick loop).
+
+The README's test command runs everything that can run here.
+"""
 
 from __future__ import annotations
 
 import os
-import random
-import sys
 
 import pytest
 import torch
-from transformers import (
-    DiffLlamaConfig,
-    DiffLlamaForCausalLM,
-    DogeConfig,
-    DogeForCausalLM,
-    GemmaConfig,
-    GemmaForCausalLM,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+import torch.distributed as dist
+from hypothesis import settings
 
-import lightning_dta as dta
+from tests.helpers.models import make_model
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-VOCAB = 48
-MAX_POS = 256
+# Property tests draw the same examples on every run (CI is deterministic); HYPOTHESIS_PROFILE=explore draws new
+# ones each time, to look for counterexamples.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", derandomize=False, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
-    """A tiny randomly initialised causal LM of the given family, dropout off, in ``dtype``."""
-    torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB)
-    if family == "llama":
-        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
-        model = LlamaForCausalLM(config)
-    elif family == "qwen2":
-        config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
-        model = Qwen2ForCausalLM(config)
-    elif family == "qwen3":  # q/k norms inside attention
-        config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS, **common)
-        model = Qwen3ForCausalLM(config)
-    elif family == "mistral":  # a sliding window longer than every test rollout
-        config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               num_key_value_heads=2, max_position_embeddings=MAX_POS, sliding_window=MAX_POS,
-                               **common)
-        model = MistralForCausalLM(config)
-    elif family == "gemma":  # scaled embeddings, tied head, GELU MLP
-        config = GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                             num_key_value_heads=1, head_dim=8, max_position_embeddings=MAX_POS, **common)
-        model = GemmaForCausalLM(config)
-    elif family == "doge":  # builds its own dynamic attention bias and passes it as the mask
-        config = DogeConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
-        model = DogeForCausalLM(config)
-    elif family == "diffllama":  # calls attention twice per layer (differential attention)
-        config = DiffLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
-        model = DiffLlamaForCausalLM(config)
-    elif family == "gpt2":
-        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=MAX_POS, resid_pdrop=0.0, embd_pdrop=0.0,
-                            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
-        model = GPT2LMHeadModel(config)
-    else:
-        raise ValueError(family)
-    # Larger-than-default weights make logits far from uniform, so ratios and clipping are exercised.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.mul_(4.0)
-    return model.to(dtype)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
-def random_tree_rollouts(rng: random.Random, num_rollouts: int = 10, max_depth: int = 3,
-                         per_token: bool = True, with_logprobs: bool = True) -> list[dta.Rollout]:
-    """Rollouts that branch at several depths, with duplicates and strict prefixes among them."""
-    bases: list[list[int]] = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))]]
-    rollouts = []
-    for _ in range(num_rollouts):
-        base = rng.choice(bases)
-        ids = base[: rng.randint(1, len(base))] if rng.random() < 0.3 else list(base)
-        for _ in range(rng.randint(1, max_depth)):
-            ids = ids + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 8))]
-        if len(ids) < 2:
-            ids = ids + [rng.randrange(VOCAB)]
-        bases.append(ids)
-        rollouts.append(make_rollout(rng, ids, per_token, with_logprobs))
-    rollouts.append(rollouts[rng.randrange(len(rollouts))])  # an exact duplicate
-    prefix_of = rollouts[rng.randrange(len(rollouts))].input_ids
-    if len(prefix_of) > 3:
-        rollouts.append(make_rollout(rng, prefix_of[: len(prefix_of) - 2], per_token, with_logprobs))
-    return rollouts
-
-
-def make_rollout(rng: random.Random, ids: list[int], per_token: bool = True, with_logprobs: bool = True
-                 ) -> dta.Rollout:
-    n = len(ids)
-    mask = [0] + [int(rng.random() < 0.8) for _ in range(n - 1)]
-    adv = [rng.gauss(0, 1) for _ in range(n)] if per_token else rng.gauss(0, 1)
-    kwargs = {}
-    if with_logprobs:
-        # Behaviour log-probs far from the model's: ratios far from 1, so clipping is active.
-        kwargs["old_logprobs"] = [-rng.uniform(0.5, 7.0) for _ in range(n)]
-        kwargs["prox_logprobs"] = [v + rng.uniform(-0.3, 0.3) if v < -0.4 else v for v in kwargs["old_logprobs"]]
-        kwargs["ref_logprobs"] = [-rng.uniform(0.5, 7.0) for _ in range(n)]
-    return dta.Rollout(input_ids=ids, loss_mask=mask, advantages=adv, **kwargs)
+@pytest.fixture(autouse=True)
+def destroy_process_group():
+    """A test that leaves a default process group behind must not leak it into the next test."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

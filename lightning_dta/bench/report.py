@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_dta.bench.runner import BASELINE, ModeResult
+from lightning_dta.bench.runner import BASELINE, BenchResults, ModeResult
 from lightning_dta.tree import TreeStats
 
 
@@ -83,8 +83,40 @@ def table(all_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def render(results: BenchResults, header: str, profiled_mode: str | None = None) -> str:
+    """The whole terminal report: the model line, the table, profiles and the memory sweeps."""
+    lines = [header, table(results.rows)]
+    for name, text in results.profiles.items():
+        lines.append(f"\ntorch.profiler, one {profiled_mode} step of {name}:\n{text}")
+    if results.memory_scaling:
+        lines.append("\npeak bytes saved for backward (MiB) vs leaves per prompt (400-token prompt, 128-token "
+                     "responses):")
+        for mode in ("dfs", "dfs-unbatched", "mask", "vanilla"):
+            values = [f"{m['leaves']}: {m['peak_saved_mib']:.1f}" for m in results.memory_scaling if m["mode"] == mode]
+            lines.append(f"  {mode:<8} " + "  ".join(values))
+    if results.long_rows:
+        base = results.long_rows[0]["total_mib"]
+        tokens = results.long_rows[0]["tokens"]
+        lines.append(f"\none {tokens}-token rollout, peak bytes saved for backward + dfs path key/value buffers:")
+        for row in results.long_rows:
+            lines.append(f"  {row['mode']:<14} {row['peak_saved_mib']:8.1f} + {row['path_buffers_mib']:5.1f} = "
+                         f"{row['total_mib']:8.1f} MiB  ({row['total_mib'] / base:.2f} of per-rollout)")
+    return "\n".join(lines)
+
+
 def write_json(path: Path, meta: dict, all_rows: list[dict], memory_scaling: list[dict]) -> None:
     path.write_text(json.dumps({"meta": meta, "results": all_rows, "memory_scaling": memory_scaling}, indent=2))
+
+
+def save(out_dir: Path, meta: dict, results: BenchResults, plots: bool = True) -> list[Path]:
+    """``bench.json`` (and the PNG plots) in ``out_dir``; returns the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json(out_dir / "bench.json", {**meta, "long_sequence": results.long_rows}, results.rows,
+               results.memory_scaling)
+    written = [out_dir / "bench.json"]
+    if plots:
+        written += plot(out_dir, results.rows, results.memory_scaling)
+    return written
 
 
 def _save(fig, ax, xlabel: str, ylabel: str, path: Path) -> Path:

@@ -7,16 +7,19 @@ agreement with the per-rollout baseline, so that a fast wrong mode is visible.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from lightning_dta.bench.workloads import GRPOWorkload, LongSequenceWorkload
 from lightning_dta.callbacks.throughput import synchronize
-from lightning_dta.engine import tree_backward, tree_logprobs
+from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.tree import PrefixTree
@@ -24,26 +27,32 @@ from lightning_dta.tree import PrefixTree
 BASELINE = "vanilla"
 
 
-CHECKPOINTING = "activation_checkpointing"  # a mode key the runner handles: transformers checkpointing on
+@dataclass(frozen=True)
+class ModeSpec:
+    """A bench mode: the engine options, and whether transformers activation checkpointing is on (a baseline)."""
+
+    engine: EngineOptions
+    activation_checkpointing: bool = False
 
 
-def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int) -> dict[str, dict]:
-    """The modes compared, as ``tree_backward`` keyword arguments.
+def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int
+                   ) -> dict[str, ModeSpec]:
+    """The modes compared.
 
     ``vanilla-ckpt`` is per-rollout training with transformers activation checkpointing: the baseline the
     reference system (AReaL-DTA) reports its speed-ups against.
     """
+    dfs = EngineOptions(sibling_batch_tokens=sibling_batch_tokens)
     return {
-        "vanilla": dict(mode="vanilla"),
-        "vanilla-ckpt": dict(mode="vanilla", **{CHECKPOINTING: True}),
-        "vanilla-batched": dict(mode="vanilla", vanilla_batch_tokens=vanilla_batch_tokens),
-        "mask": dict(mode="mask"),
-        "dfs": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens),
-        "dfs-recompute": dict(mode="dfs", activation="recompute", chunk_size=chunk_size,
-                              sibling_batch_tokens=sibling_batch_tokens),
+        "vanilla": ModeSpec(EngineOptions(mode="vanilla")),
+        "vanilla-ckpt": ModeSpec(EngineOptions(mode="vanilla"), activation_checkpointing=True),
+        "vanilla-batched": ModeSpec(EngineOptions(mode="vanilla", vanilla_batch_tokens=vanilla_batch_tokens)),
+        "mask": ModeSpec(EngineOptions(mode="mask")),
+        "dfs": ModeSpec(dfs),
+        "dfs-recompute": ModeSpec(dataclasses.replace(dfs, activation="recompute", chunk_size=chunk_size)),
         # dfs with the model's own attention over a KV cache and a causal mask (what runs where prefix
         # attention does not: GPUs, sliding windows), to measure what prefix attention brings
-        "dfs-model-attention": dict(mode="dfs", sibling_batch_tokens=sibling_batch_tokens, prefix_attention=False),
+        "dfs-model-attention": ModeSpec(dataclasses.replace(dfs, prefix_attention=False)),
     }
 
 
@@ -70,33 +79,32 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
                       for p in model.parameters()])
 
 
-def run_mode(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, kwargs: dict) -> None:
-    """One ``tree_backward`` with a mode's keyword arguments (handling the runner's own keys)."""
-    kwargs = dict(kwargs)
-    if kwargs.pop(CHECKPOINTING, False):
+def run_mode(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, spec: ModeSpec) -> None:
+    """One ``tree_backward`` of a mode."""
+    if spec.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed the methods
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         try:
-            tree_backward(model, tree, loss_fn, **kwargs)
+            tree_backward(model, tree, loss_fn, engine=spec.engine)
         finally:
             (model.activation_checkpointing_disable if hasattr(model, "activation_checkpointing_disable")
              else model.gradient_checkpointing_disable)()
     else:
-        tree_backward(model, tree, loss_fn, **kwargs)
+        tree_backward(model, tree, loss_fn, engine=spec.engine)
 
 
-def saved_peak_bytes(model: nn.Module, tree: PrefixTree, kwargs: dict) -> int:
+def saved_peak_bytes(model: nn.Module, tree: PrefixTree, spec: ModeSpec) -> int:
     """Peak bytes saved for backward by one ``tree_backward`` of a mode (gradients cleared before and after)."""
     model.zero_grad(set_to_none=True)
     with SavedTensorMeter(model) as meter:
-        run_mode(model, tree, PolicyLoss(), kwargs)
+        run_mode(model, tree, PolicyLoss(), spec)
     model.zero_grad(set_to_none=True)
     return meter.peak_bytes
 
 
-def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, modes: dict[str, dict],
+def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, modes: dict[str, ModeSpec],
                        repeats: int, warmup: int = 1, progress: Callable[[str], None] | None = None
                        ) -> dict[str, ModeResult]:
     """Time every mode ``repeats`` times (round-robin) and measure its memory and gradient agreement."""
@@ -106,14 +114,14 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
     modes = {BASELINE: modes[BASELINE], **{n: k for n, k in modes.items() if n != BASELINE}}
     results = {name: ModeResult(name) for name in modes}
     reference = None
-    for name, kwargs in modes.items():  # one untimed pass each (baseline first): gradients, memory, warm-up
+    for name, spec in modes.items():  # one untimed pass each (baseline first): gradients, memory, warm-up
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         rss_ok = reset_peak_rss()
         rss_before = current_rss_bytes()
         with SavedTensorMeter(model) as meter:  # the hooks only alias saved tensors: memory is unchanged
-            run_mode(model, tree, loss_fn, kwargs)
+            run_mode(model, tree, loss_fn, spec)
         synchronize(device)
         results[name].peak_saved_bytes = meter.peak_bytes
         if device.type == "cuda":
@@ -128,14 +136,14 @@ def run_training_modes(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, 
         if progress:
             progress(f"checked {name}")
     for _ in range(max(warmup - 1, 0)):
-        for kwargs in modes.values():
-            run_mode(model, tree, loss_fn, kwargs)
+        for spec in modes.values():
+            run_mode(model, tree, loss_fn, spec)
     for rep in range(repeats):
-        for name, kwargs in modes.items():
+        for name, spec in modes.items():
             model.zero_grad(set_to_none=True)
             synchronize(device)
             start = time.perf_counter()
-            run_mode(model, tree, loss_fn, kwargs)
+            run_mode(model, tree, loss_fn, spec)
             synchronize(device)
             results[name].times.append(time.perf_counter() - start)
             if progress:
@@ -155,11 +163,13 @@ def _per_rollout_logprobs(model: nn.Module, tree: PrefixTree) -> list[torch.Tens
     return out
 
 
-def run_logprob_modes(model: nn.Module, tree: PrefixTree, repeats: int,
+def run_logprob_modes(model: nn.Module, tree: PrefixTree, repeats: int, engine: EngineOptions,
                       progress: Callable[[str], None] | None = None) -> dict[str, ModeResult]:
-    """Forward-only scoring: ``tree_logprobs`` against one plain forward per rollout."""
+    """Forward-only scoring: ``tree_logprobs`` (with the dfs mode's ``engine``) against one plain forward per
+    rollout."""
     device = next(model.parameters()).device
-    modes = {"logprobs-vanilla": _per_rollout_logprobs, "logprobs-tree": tree_logprobs}
+    modes = {"logprobs-vanilla": _per_rollout_logprobs,
+             "logprobs-tree": functools.partial(tree_logprobs, engine=engine)}
     results = {name: ModeResult(name) for name in modes}
     reference = torch.cat(_per_rollout_logprobs(model, tree)).double()
     for name, fn in modes.items():
@@ -174,4 +184,101 @@ def run_logprob_modes(model: nn.Module, tree: PrefixTree, repeats: int,
             results[name].times.append(time.perf_counter() - start)
             if progress:
                 progress(f"repeat {rep + 1}/{repeats} {name}")
+    return results
+
+
+@dataclass
+class BenchResults:
+    """Everything one ``lightning-dta bench`` run measured."""
+
+    rows: list[dict] = field(default_factory=list)  # one per (workload, mode): see report.rows
+    memory_scaling: list[dict] = field(default_factory=list)  # peak saved MiB per (mode, leaves)
+    long_rows: list[dict] = field(default_factory=list)  # one long rollout: saved bytes + path buffers per mode
+    profiles: dict[str, str] = field(default_factory=dict)  # workload -> profiler table
+
+
+def path_buffer_bytes(config, tokens: int, dtype: torch.dtype) -> int:
+    """The dfs path buffers: keys, values and their gradients, per layer, for ``tokens`` positions. They are
+    allocated outside autograd, so the saved-tensor meter does not see them."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 4 * config.num_hidden_layers * tokens * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def profile_step(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, spec: ModeSpec) -> str:
+    """The top operators of one step (after a warm-up step), by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    run_mode(model, tree, loss_fn, spec)
+    with profile(activities=activities) as prof:
+        run_mode(model, tree, loss_fn, spec)
+    model.zero_grad(set_to_none=True)
+    sort = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=48)
+
+
+def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None
+                   ) -> list[dict]:
+    """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
+    modes = {"dfs": ModeSpec(EngineOptions(sibling_batch_tokens=sibling_batch_tokens)),
+             "dfs-unbatched": ModeSpec(EngineOptions(sibling_batch_tokens=None)),
+             "mask": ModeSpec(EngineOptions(mode="mask")), "vanilla": ModeSpec(EngineOptions(mode="vanilla"))}
+    if model.config._attn_implementation not in ("sdpa", "eager"):
+        del modes["mask"]  # flash attention takes no 4-D tree mask
+    out = []
+    for n in leaves:
+        tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
+        for mode, spec in modes.items():
+            out.append({"mode": mode, "leaves": n, "peak_saved_mib": saved_peak_bytes(model, tree, spec) / 2**20})
+    return out
+
+
+def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, chunk_size: int,
+                        dtype: torch.dtype) -> list[dict]:
+    """One ``length``-token rollout: bytes saved for backward plus the dfs path buffers, per mode."""
+    tree = PrefixTree.from_rollouts(LongSequenceWorkload(1, length).generate(vocab, seed))
+    modes = {"vanilla": ModeSpec(EngineOptions(mode="vanilla")), "dfs": ModeSpec(EngineOptions()),
+             "dfs-recompute": ModeSpec(EngineOptions(activation="recompute", chunk_size=chunk_size))}
+    rows = []
+    for mode, spec in modes.items():
+        saved = saved_peak_bytes(model, tree, spec)
+        path = path_buffer_bytes(model.config, length, dtype) if spec.engine.mode == "dfs" else 0
+        rows.append({"mode": mode, "tokens": length, "peak_saved_mib": saved / 2**20,
+                     "path_buffers_mib": path / 2**20, "total_mib": (saved + path) / 2**20})
+    return rows
+
+
+def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, ModeSpec], *, repeats: int,
+              warmup: int, seed: int, chunk_size: int, sibling_batch_tokens: int | None, logprobs: bool = True,
+              memory_leaves: Sequence[int] = (), long_len: int = 0, profile: ModeSpec | None = None,
+              progress: Callable[[str], None] | None = None) -> BenchResults:
+    """Every mode on every workload, then the memory sweeps (module docstring)."""
+    from lightning_dta.bench import report
+
+    config = model.config
+    loss_fn = PolicyLoss()
+    results = BenchResults()
+    for name, workload in workloads.items():
+        tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, seed), vocab_size=config.vocab_size,
+                                        max_positions=config.max_position_embeddings)
+        trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
+        shape = ([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors])
+        model_shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
+        limit = report.flop_speedup_limit(*shape, trained, *model_shape)
+        forward_limit = report.flop_speedup_limit(*shape, None, *model_shape)
+        measured = run_training_modes(model, tree, loss_fn, modes, repeats, warmup, progress)
+        results.rows += report.rows(name, tree.stats, measured, limit)
+        if logprobs:  # forward only: against the per-rollout forward, with its own FLOP limit
+            dfs_engine = modes["dfs"].engine if "dfs" in modes else EngineOptions()
+            measured = run_logprob_modes(model, tree, repeats, dfs_engine, progress)
+            results.rows += report.rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla")
+        if profile is not None:
+            results.profiles[name] = profile_step(model, tree, loss_fn, profile)
+    if memory_leaves:
+        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed, sibling_batch_tokens)
+    if long_len:
+        results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, chunk_size,
+                                                next(model.parameters()).dtype)
     return results

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_dta.distributed import all_gather_floats
 from lightning_dta.memory import peak_rss_bytes, reset_peak_rss
@@ -27,12 +28,14 @@ class PeakMemoryMonitor(Callback):
     ``memory/cuda_max_reserved_gib`` when training on a CUDA device.
     """
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         device = trainer.strategy.root_device
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         reset_peak_rss()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         device = trainer.strategy.root_device

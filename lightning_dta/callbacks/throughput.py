@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from lightning_dta.distributed import all_gather_floats
 from lightning_dta.step import batch_tree
@@ -48,13 +49,16 @@ class TreeThroughputMonitor(Callback):
         self._start: float | None = None
         self._window: deque[tuple[float, float, float]] = deque(maxlen=window_size)
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._window.clear()
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         synchronize(trainer.strategy.root_device)
         self._start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._start is None:

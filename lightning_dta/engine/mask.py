@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import ModelInfo, forward_plain, score
+from lightning_dta.engine.forward import forward_plain, score
+from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.tree import PrefixTree, common_prefix_length
@@ -65,21 +66,21 @@ def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: Ste
         positions, mask, offsets = tree_attention_mask(pack, info.dtype)
         rows = []
         for node, offset in zip(pack.nodes[1:], offsets):
-            seg = step.segment(to_global[torch.tensor(node.rollouts)], node.start, node.length)
-            if not seg.empty:
-                rows.append((offset, seg))
+            targets = step.targets(to_global[torch.tensor(node.rollouts)], node.start, node.length)
+            if not targets.empty:
+                rows.append((offset, targets))
         if not rows:
             continue
-        columns = torch.cat([offset + seg.columns for offset, seg in rows])
+        columns = torch.cat([offset + targets.columns for offset, targets in rows])
         input_ids = torch.cat([pack.tokens(n) for n in pack.nodes[1:]])[None].to(info.device)
         logits = forward_plain(model, info, input_ids, columns, position_ids=positions[None].to(info.device),
                                attention_mask=mask.to(info.device))[0]
         loss = 0.0
         # split, not slices: backward assembles one gradient buffer instead of a full-size one per node
-        per_node = torch.split(logits, [seg.columns.numel() for _, seg in rows])
-        for node_logits, (_, seg) in zip(per_node, rows):
-            logp, entropy = score(node_logits, seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
-            loss = loss + loss_fn(logp, entropy, seg.data, sums)
+        per_node = torch.split(logits, [targets.columns.numel() for _, targets in rows])
+        for node_logits, (_, targets) in zip(per_node, rows):
+            logp, entropy = score(node_logits, targets.token_ids, step.dtype, True, loss_fn.needs_entropy_grad)
+            loss = loss + loss_fn(logp, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()
     return total

@@ -1,24 +1,25 @@
-"""Attention of a segment over its shared prefix without copying, masking or expanding the prefix.
+"""Attention of a chunk over its shared prefix without copying, masking or expanding the prefix.
 
-A tree segment's queries attend to two blocks of keys: the path's prefix (every query sees all of it) and
-the segment's own keys (causally). The model's own attention gets them as one concatenated key tensor per
-row plus an explicit lower-right causal mask, which copies the prefix into every batch row, materialises the
-mask and keeps the kernel from skipping masked blocks. Here the two blocks run as two flash-attention calls
-and are merged with their log-sum-exps, as in cascade / shared-prefix attention kernels:
+A chunk's queries attend to two blocks of keys: the path's prefix (every query sees all of it) and the
+chunk's own keys (causally). The model's own attention gets them as one concatenated key tensor per row plus
+an explicit lower-right causal mask, which copies the prefix into every batch row, materialises the mask and
+keeps the kernel from skipping masked blocks. Here the two blocks run as two flash-attention calls and are
+merged with their log-sum-exps, as in cascade / shared-prefix attention kernels:
 
-- sibling segments are packed one after another into a single row (no padding; the linear layers see one
-  long sequence), and the prefix block runs once for all of them (``[1, heads, tokens, dim]`` against
+- sibling chunks are packed one after another into a single row (no padding; the linear layers see one long
+  sequence), and the prefix block runs once for all of them (``[1, heads, tokens, dim]`` against
   ``[1, kv_heads, prefix, dim]``), so the gradient that reaches the shared keys/values is already summed;
-- the own block is a square causal attention per segment (``is_causal=True``, which skips masked blocks),
-  so packed segments never see each other.
+- the own block is a square causal attention per chunk (``is_causal=True``, which skips masked blocks), so
+  packed chunks never see each other.
 
 Backward calls each block's flash backward with the *merged* output and log-sum-exp, which gives that
 block's exact share of the gradient (the softmax normaliser and ``rowsum(dO * O)`` are the full row's).
 
-It plugs into transformers as an attention implementation that is switched on only for the duration of a
-segment's forward (:func:`segment_attention`); the segment's new keys/values (after RoPE) are recorded on
-the way, so no KV cache object is involved. The kernels are PyTorch's CPU flash attention; on other devices
-the engine keeps the model's own attention with a KV cache and a mask.
+It plugs into transformers as an attention implementation that the *attention switch*
+(:func:`attention_switch`) turns on only for the duration of one sibling batch's forward; the chunks' new
+keys/values (after RoPE) are recorded on the way (:class:`~lightning_dta.engine.kv.KVRecorder`), so no KV
+cache object is involved. The kernels are PyTorch's CPU flash attention; on other devices the engine keeps
+the model's own attention with a KV cache and a mask.
 """
 
 from __future__ import annotations
@@ -35,21 +36,21 @@ from torch import nn
 from transformers import AttentionInterface
 
 from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.kv import KV, KVRecorder
 
 ATTENTION_NAME = "lightning_dta_prefix"
-KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-Spans = tuple[tuple[int, int], ...]  # (offset, length) of each sibling segment packed into one row
+Spans = tuple[tuple[int, int], ...]  # (offset, length) of each sibling chunk packed into one row
 
 
 class PrefixCausalAttention(torch.autograd.Function):
-    """softmax over [prefix keys, own keys (causal within each span)] for packed sibling segments.
+    """softmax over [prefix keys, own keys (causal within each span)] for packed sibling chunks.
 
-    ``query`` ``[1, H, T, D]`` holds the segments one after another (``spans``); the prefix ``[1, Hkv, P, D]`` is
+    ``query`` ``[1, H, T, D]`` holds the chunks one after another (``spans``); the prefix ``[1, Hkv, P, D]`` is
     shared by all of them; own keys/values ``[1, Hkv, T, D]``. Grouped-query heads are native to the kernels.
     """
 
@@ -64,7 +65,7 @@ class PrefixCausalAttention(torch.autograd.Function):
             lse = merged
         ctx.save_for_backward(query, keys, values, out, lse)
         # The prefix is a view of the path buffers, which are written beyond it while this graph is alive
-        # (siblings' subtrees); positions below the segment's start never change before its pop, so it is
+        # (siblings' subtrees); positions below the chunks' start never change before their pop, so it is
         # kept by reference instead of through the version-checked saved-tensor mechanism.
         ctx.prefix = (prefix_keys, prefix_values)
         ctx.spans, ctx.scale = spans, scale
@@ -96,7 +97,7 @@ class PrefixCausalAttention(torch.autograd.Function):
 
 
 def _causal_spans(query, keys, values, spans: Spans, scale):
-    """Causal attention within each span (packed segments do not see each other): output and log-sum-exp."""
+    """Causal attention within each span (packed chunks do not see each other): output and log-sum-exp."""
     if len(spans) == 1:
         return _flash(query, keys, values, 0.0, True, scale=scale)
     out = lse = None
@@ -111,18 +112,16 @@ def _causal_spans(query, keys, values, spans: Spans, scale):
 
 
 @dataclass
-class SegmentAttention:
-    """The prefix each layer attends to during one segment's forward, and the new keys/values it produced."""
+class SwitchedForward:
+    """One forward under the attention switch: the prefix each layer attends to, the packed spans, and the
+    record of the new keys/values each layer produced."""
 
     past: KV | None
     spans: Spans
-    new_states: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def new_kv(self) -> KV:
-        return [self.new_states[i] for i in sorted(self.new_states)]
+    new_kv: KVRecorder = field(default_factory=KVRecorder)
 
 
-_ACTIVE: ContextVar[SegmentAttention | None] = ContextVar("lightning_dta_segment", default=None)
+_ACTIVE: ContextVar[SwitchedForward | None] = ContextVar("lightning_dta_prefix_attention", default=None)
 
 # Keyword arguments that attention modules pass and that do not change what attention computes here. Anything
 # else (sinks, soft-capping, position biases, sparse indices, ...) makes prefix attention refuse the model.
@@ -139,7 +138,7 @@ class UnsupportedAttention(ModelNotSupportedError):
                          "tree_backward(..., prefix_attention=False) uses the model's own attention")
 
 
-def _unsupported_call(module: nn.Module, segment: SegmentAttention, prefix_length: int,
+def _unsupported_call(module: nn.Module, forward: SwitchedForward, prefix_length: int,
                       attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
     name = type(module).__name__
     layer = getattr(module, "layer_idx", None)
@@ -147,7 +146,7 @@ def _unsupported_call(module: nn.Module, segment: SegmentAttention, prefix_lengt
     unknown = sorted(set(kwargs) - ALLOWED_KWARGS)
     if layer is None:
         return f"{name} has no layer_idx, so its layers cannot be told apart"
-    if layer in segment.new_states:
+    if layer in forward.new_kv:
         return f"{name} calls attention more than once per layer"
     if attention_mask is not None:
         return f"{name} passes its own attention mask or bias"
@@ -157,7 +156,7 @@ def _unsupported_call(module: nn.Module, segment: SegmentAttention, prefix_lengt
         return f"{name} passes {unknown} to its attention"
     if kwargs.get("output_attentions"):
         return "attention weights are requested (output_attentions)"
-    if window is not None and window < prefix_length + max(n for _, n in segment.spans):
+    if window is not None and window < prefix_length + max(n for _, n in forward.spans):
         return f"{name} has a {window}-token sliding window"
     return None
 
@@ -166,19 +165,19 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              **kwargs) -> tuple[torch.Tensor, None]:
     """transformers attention-implementation signature; returns ``[B, L, H, D]`` like ``sdpa``."""
-    segment = _ACTIVE.get()
-    if segment is None:
+    forward = _ACTIVE.get()
+    if forward is None:
         raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} only runs inside lightning_dta's tree engine")
     layer = getattr(module, "layer_idx", None)
-    past = segment.past[layer] if segment.past and layer is not None else (None, None)
+    past = forward.past[layer] if forward.past and layer is not None else (None, None)
     prefix_length = past[0].shape[2] if past[0] is not None else 0
-    reason = _unsupported_call(module, segment, prefix_length, attention_mask, dropout, kwargs)
+    reason = _unsupported_call(module, forward, prefix_length, attention_mask, dropout, kwargs)
     if reason is None and query.shape[0] != 1:
-        reason = "the batch has more than one row (prefix attention takes segments packed into one row)"
+        reason = "the batch has more than one row (prefix attention takes chunks packed into one row)"
     if reason is not None:
         raise UnsupportedAttention(reason)
-    segment.new_states[layer] = (key, value)
-    out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, segment.spans, scaling)
+    forward.new_kv.record(layer, key, value)
+    out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, forward.spans, scaling)
     return out.transpose(1, 2), None
 
 
@@ -239,11 +238,11 @@ def probe(model: nn.Module, num_layers: int | None) -> str | None:
         try:
             # fork_rng: the probe must not shift the random stream of training (dropout, router noise)
             with torch.random.fork_rng(devices=[]), torch.no_grad(), \
-                    segment_attention(attention_configs(model), None, ((0, 2),)) as segment:
+                    attention_switch(attention_configs(model), None, ((0, 2),)) as forward:
                 model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
                       position_ids=torch.arange(2, device=device)[None], use_cache=False)
-            if num_layers is not None and len(segment.new_states) != num_layers:
-                reason = f"only {len(segment.new_states)} of its {num_layers} layers call the attention interface"
+            if num_layers is not None and len(forward.new_kv) != num_layers:
+                reason = f"only {len(forward.new_kv)} of its {num_layers} layers call the attention interface"
         except UnsupportedAttention as error:
             reason = error.reason
         results[model.training] = reason
@@ -251,20 +250,20 @@ def probe(model: nn.Module, num_layers: int | None) -> str | None:
 
 
 @contextmanager
-def segment_attention(configs: tuple, past: KV | None, spans: Spans) -> Iterator[SegmentAttention]:
-    """Run the model's attention as prefix attention over ``past`` for one forward of the packed segments
-    ``spans``; yields the record of their new keys/values. The implementation switch is undone on exit, even on
+def attention_switch(configs: tuple, past: KV | None, spans: Spans) -> Iterator[SwitchedForward]:
+    """The attention switch: run the model's attention as prefix attention over ``past`` for one forward of the
+    packed chunks ``spans``; yields the forward's record (its ``new_kv``). The switch is undone on exit, even on
     error. Another thread using the same model meanwhile would run prefix attention too and fail loudly: a
     model being trained is not for concurrent use."""
-    segment = SegmentAttention(past, spans)
-    token = _ACTIVE.set(segment)
+    forward = SwitchedForward(past, spans)
+    token = _ACTIVE.set(forward)
     with _SWITCH_LOCK:
         for c in configs:
             entry = _SWITCHED.setdefault(id(c), [c._attn_implementation_internal, 0])
             entry[1] += 1
             c._attn_implementation_internal = ATTENTION_NAME
     try:
-        yield segment
+        yield forward
     finally:
         with _SWITCH_LOCK:
             for c in configs:

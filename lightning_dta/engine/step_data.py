@@ -1,9 +1,9 @@
-"""Per-token loss inputs of a step, flattened once, and gathered per tree segment.
+"""Per-token loss inputs of a step, flattened once, and gathered per chunk of the tree.
 
 Every engine asks the same question: "for the positions ``start .. start+L-1`` of these rollouts, what does
 each position predict, and with which mask, advantage and log-probs?". Position ``p`` predicts token
-``p+1``; a rollout's last position predicts nothing. The answer is a ``[R, L]`` grid; rows and columns with
-nothing to train are dropped before the model's head is even evaluated.
+``p+1``; a rollout's last position predicts nothing. The answer, :class:`ChunkTargets`, is a ``[R, L]`` grid;
+rows and columns with nothing to train are dropped before the model's head is even evaluated.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ def tree_loss_normalizer(tree: PrefixTree, loss_fn: PolicyLoss) -> float:
 
 
 @dataclass
-class Segment:
-    """What one forward row must predict: grid data plus the columns whose logits are needed."""
+class ChunkTargets:
+    """What a chunk's forward must score: grid data plus the columns whose logits are needed."""
 
-    columns: torch.Tensor  # [C] offsets within the segment whose logits are needed (CPU)
-    targets: torch.Tensor  # [R, C] token ids to score
+    columns: torch.Tensor  # [C] offsets within the chunk whose logits are needed (CPU)
+    token_ids: torch.Tensor  # [R, C] the tokens to score (what each position predicts, per rollout)
     data: TokenData  # [R, C] loss inputs
     rollouts: torch.Tensor  # [R] rollout indices of the rows
 
@@ -85,8 +85,8 @@ class StepData:
         index = self.offsets[rollouts][:, None] + torch.minimum(target_pos[None, :], lengths[:, None] - 1)
         return index, valid
 
-    def segment(self, rollouts: list[int] | torch.Tensor, start: int, length: int, *,
-                all_positions: bool = False) -> Segment:
+    def targets(self, rollouts: list[int] | torch.Tensor, start: int, length: int, *,
+                all_positions: bool = False) -> ChunkTargets:
         """The grid for positions ``start .. start+length-1`` of ``rollouts``.
 
         With ``all_positions`` every valid target is kept (log-prob extraction); otherwise only trained ones.
@@ -110,8 +110,8 @@ class StepData:
             weight=self.weights[rollouts][:, None].to(**to),
             any_ref=self.any_ref,
         )
-        targets = self.tokens[index].to(self.device)
-        return Segment(columns=columns, targets=targets, data=data, rollouts=rollouts)
+        token_ids = self.tokens[index].to(self.device)
+        return ChunkTargets(columns=columns, token_ids=token_ids, data=data, rollouts=rollouts)
 
 
 def check_tree_fits_model(tree: PrefixTree, vocab_size: int | None, max_positions: int | None) -> None:

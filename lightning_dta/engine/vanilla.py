@@ -10,7 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import ModelInfo, forward_plain, row_logits, score
+from lightning_dta.engine.forward import forward_plain, score
+from lightning_dta.engine.model_info import ModelInfo
+from lightning_dta.engine.sibling_batch import row_logits
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.tree import PrefixTree
@@ -34,8 +36,8 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
     total = torch.zeros((), dtype=step.dtype, device=info.device)
     lengths = [len(t) for t in tree.token_tensors]
     for batch in micro_batches(lengths, batch_tokens):
-        segments = [step.segment([r], 0, lengths[r]) for r in batch]
-        rows = [(r, seg) for r, seg in zip(batch, segments) if not seg.empty]
+        grids = [step.targets([r], 0, lengths[r]) for r in batch]
+        rows = [(r, targets) for r, targets in zip(batch, grids) if not targets.empty]
         if not rows:
             continue
         width = max(lengths[r] for r, _ in rows)
@@ -44,14 +46,14 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
         for i, (r, _) in enumerate(rows):
             input_ids[i, :lengths[r]] = tree.token_tensors[r]
             attention_mask[i, :lengths[r]] = 1
-        columns = torch.unique(torch.cat([seg.columns for _, seg in rows]))
+        columns = torch.unique(torch.cat([targets.columns for _, targets in rows]))
         logits = forward_plain(model, info, input_ids.to(info.device), columns,
                                attention_mask=attention_mask.to(info.device))
         loss = 0.0
-        segments = [seg for _, seg in rows]
-        for row, seg in zip(row_logits(logits, columns, [seg.columns for seg in segments]), segments):
-            logp, entropy = score(row, seg.targets, step.dtype, True, loss_fn.needs_entropy_grad)
-            loss = loss + loss_fn(logp, entropy, seg.data, sums)
+        grids = [targets for _, targets in rows]
+        for row, targets in zip(row_logits(logits, columns, [targets.columns for targets in grids]), grids):
+            logp, entropy = score(row, targets.token_ids, step.dtype, True, loss_fn.needs_entropy_grad)
+            loss = loss + loss_fn(logp, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()
     return total

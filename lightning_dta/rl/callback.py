@@ -22,6 +22,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
+from typing_extensions import override
 
 from lightning_dta.batch import StepBatch
 from lightning_dta.rl.plot import save_reward_plot
@@ -99,22 +100,26 @@ class OnlineRLCallback(Callback):
 
     # ------------------------------------------------------------------ hooks
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         source = self._find_source(trainer, pl_module)
         policy = self._policy(pl_module)
+        engine = getattr(pl_module, "engine", None)  # DTAModule's EngineOptions: every engine call uses them
         if self.sft_warmup_steps and trainer.global_step == 0:
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,
-                                             add_bos=source.add_bos)
+                                             add_bos=source.add_bos, engine=engine)
             self._print(trainer, f"SFT warm start: {self.warm_start.steps} steps in {self.warm_start.seconds:.1f}s, "
                                  f"demonstration NLL {self.warm_start.nll_before:.3f} -> "
                                  f"{self.warm_start.nll_after:.3f} per token")
-        source.attach(policy, version=trainer.global_step)
+        source.attach(policy, version=trainer.global_step, engine=engine)
         self.source = source
 
+    @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch_start = time.perf_counter()
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self.source is None or self._batch_start is None:
@@ -137,6 +142,7 @@ class OnlineRLCallback(Callback):
         if self.print_every_n_steps and trainer.global_step % self.print_every_n_steps == 0:
             self._print(trainer, self._line(trainer.global_step, metrics))
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
         if not self.history:
@@ -157,6 +163,7 @@ class OnlineRLCallback(Callback):
                 rank_zero_warn(f"the reward plot was not saved: {error}")
         self._print(trainer, message)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
 

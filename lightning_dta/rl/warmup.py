@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.engine import tree_backward, tree_logprobs
+from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.rl.environment import Environment, encode_observation
 from lightning_dta.rollout import Rollout
@@ -40,9 +40,9 @@ def demonstration_rollout(env: Environment, tokenizer: PreTrainedTokenizerBase, 
     return Rollout(input_ids=ids, loss_mask=mask, advantages=1.0)
 
 
-def demonstration_nll(model: nn.Module, rollouts: list[Rollout]) -> float:
+def demonstration_nll(model: nn.Module, rollouts: list[Rollout], engine: EngineOptions | None = None) -> float:
     """Mean negative log-likelihood of the trained tokens of ``rollouts`` (one forward-only tree walk)."""
-    logprobs = tree_logprobs(model, PrefixTree.from_rollouts(rollouts))
+    logprobs = tree_logprobs(model, PrefixTree.from_rollouts(rollouts), engine=engine)
     total = count = 0.0
     for rollout, values in zip(rollouts, logprobs):
         mask = torch.as_tensor(rollout.mask()[1:], dtype=values.dtype, device=values.device)
@@ -63,12 +63,14 @@ class WarmStartResult:
 
 
 def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedTokenizerBase, steps: int, *,
-                   lr: float = 3e-3, batch_size: int = 32, add_bos: bool = True) -> WarmStartResult:
+                   lr: float = 3e-3, batch_size: int = 32, add_bos: bool = True,
+                   engine: EngineOptions | None = None) -> WarmStartResult:
     """Train ``model`` for ``steps`` AdamW steps on batches of ``batch_size`` demonstrations.
 
     A private optimizer is used and dropped, so the RL optimizer starts with fresh state. Demonstrations come
     from prompt indices ``DEMONSTRATION_OFFSET + k``, not the RL prompts. (The policy loss of an SFT step is
-    always -1 - the advantage times a ratio of 1 - so progress is reported as the NLL instead.)
+    always -1 - the advantage times a ratio of 1 - so progress is reported as the NLL instead.) ``engine``: the
+    :class:`~lightning_dta.EngineOptions` of the training and forward-only walks.
     """
     if steps < 0 or batch_size < 1:
         raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} >= 1")
@@ -78,14 +80,15 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
     started = time.perf_counter()
     evaluation = [demonstration_rollout(env, tokenizer, DEMONSTRATION_OFFSET - 1 - k, add_bos)
                   for k in range(batch_size)]
-    nll_before = demonstration_nll(model, evaluation)
+    nll_before = demonstration_nll(model, evaluation, engine)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss_fn = PolicyLoss()
     for step in range(steps):
         first = DEMONSTRATION_OFFSET + step * batch_size
         rollouts = [demonstration_rollout(env, tokenizer, first + k, add_bos) for k in range(batch_size)]
         optimizer.zero_grad(set_to_none=True)
-        tree_backward(model, PrefixTree.from_rollouts(rollouts), loss_fn)
+        tree_backward(model, PrefixTree.from_rollouts(rollouts), loss_fn, engine=engine)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return WarmStartResult(steps, nll_before, demonstration_nll(model, evaluation), time.perf_counter() - started)
+    return WarmStartResult(steps, nll_before, demonstration_nll(model, evaluation, engine),
+                           time.perf_counter() - started)

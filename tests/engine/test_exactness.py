@@ -11,12 +11,12 @@ import random
 
 import pytest
 import torch
-from conftest import make_model, make_rollout, random_tree_rollouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import assert_grads_close, engine_grads, reference_grads
 
 import lightning_dta as dta
+from tests.helpers.models import make_model, make_rollout, random_tree_rollouts
+from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
 
 RTOL64 = 1e-5
 RTOL32 = 1e-3

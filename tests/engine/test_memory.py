@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import make_model
 
 import lightning_dta as dta
 from lightning_dta.memory import SavedTensorMeter
+from tests.helpers.models import make_model
 
 
 def grpo_tree(num_leaves: int, seed: int = 0) -> dta.PrefixTree:

@@ -6,11 +6,11 @@ import collections
 
 import pytest
 import torch
-from rl_helpers import tiny_policy
 
 import lightning_dta as dta
 from lightning_dta.rl import HFGenerator, make_char_tokenizer
 from lightning_dta.rl.generation import cut_at_stop
+from tests.helpers.rl import tiny_policy
 
 EOS = 2
 

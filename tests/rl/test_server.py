@@ -8,10 +8,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from rl_helpers import tiny_policy
 
 from lightning_dta.rl import OnlineRolloutSource, OpenAICompatibleGenerator, ReverseDigits
 from lightning_dta.rl.server import ServerError
+from tests.helpers.rl import tiny_policy
 
 EOS = 2
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model
 
 import lightning_dta as dta
+from tests.helpers.models import make_model
 
 
 class NoCacheLM(torch.nn.Module):
@@ -154,14 +154,14 @@ def test_overlapping_switches_restore_the_model_attention_once():
     from lightning_dta.engine.prefix_attention import (
         ATTENTION_NAME,
         attention_configs,
+        attention_switch,
         original_implementation,
-        segment_attention,
     )
 
     model = make_model("llama")
     configs = attention_configs(model)
-    first = segment_attention(configs, None, ((0, 2),))
-    second = segment_attention(configs, None, ((0, 2),))
+    first = attention_switch(configs, None, ((0, 2),))
+    second = attention_switch(configs, None, ((0, 2),))
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)

@@ -33,10 +33,11 @@ import torch
 
 from lightning_dta import cli
 from lightning_dta.rl import OnlineRLCallback
+from tests import helpers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = helpers.REPO
 STEPS = 100
 WINDOW = 10
 MARGIN = 0.1
@@ -49,7 +50,7 @@ def run_toy(tmp_path: Path, mode: str) -> tuple[list[dict[str, float]], list[dic
     """Fit the shipped config; return the callback's per-step history, the CSV rows and the log directory."""
     args = ["fit", "--config", str(REPO / "configs" / "toy_rl_cpu.yaml"), f"--trainer.max_steps={STEPS}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-            f"--data.source.init_args.mode={mode}"]
+            f"--data.source.init_args.rollout_mode={mode}"]
     argv = sys.argv
     sys.argv = ["lightning-dta"]  # LightningCLI warns when pytest's arguments sit beside args=
     try:
@@ -83,6 +84,7 @@ def sync_run(tmp_path_factory: pytest.TempPathFactory, one_torch_thread):
     return run_toy(tmp_path_factory.mktemp("sync"), "sync")
 
 
+@pytest.mark.slow
 def test_toy_rl_reward_rises(sync_run):
     history, rows, log_dir = sync_run
     assert len(history) == len(rows) == STEPS
@@ -99,6 +101,7 @@ def test_toy_rl_reward_rises(sync_run):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_toy_rl_async_staleness_one_reaches_a_comparable_reward(sync_run, tmp_path):
     """Generation runs one step ahead of training: every step is trained at most 1 optimizer step after the
     weights that generated it, and decoupled PPO (prox log-probs recomputed on the current weights) learns as
@@ -117,6 +120,7 @@ def test_toy_rl_async_staleness_one_reaches_a_comparable_reward(sync_run, tmp_pa
     assert statistics.fmean(r["train/approx_kl"] for r in stale_rows) > 1e-4
 
 
+@pytest.mark.slow
 def test_plain_pytorch_example_is_the_same_loop(sync_run):
     """examples/online_rl.py (no Lightning) with the config's settings and seed gives the same first steps."""
     spec = importlib.util.spec_from_file_location("example_online_rl", REPO / "examples" / "online_rl.py")

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-from conftest import make_model, random_tree_rollouts
 
 import lightning_dta as dta
+from tests.helpers.models import make_model, random_tree_rollouts
 
 
 def per_rollout_logprobs(model, rollout: dta.Rollout) -> torch.Tensor:

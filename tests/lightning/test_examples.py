@@ -12,7 +12,9 @@ from types import ModuleType
 import pytest
 from accelerate import Accelerator
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+from tests import helpers
+
+EXAMPLES = helpers.REPO / "examples"
 
 
 def load(name: str) -> ModuleType:

@@ -6,9 +6,9 @@ import json
 import math
 
 import pytest
-from conftest import make_model
 
 import lightning_dta as dta
+from tests.helpers.models import make_model
 
 
 def good(**overrides) -> dict:

@@ -5,7 +5,8 @@ clipping, SGD), before any process group exists, then joins the N-rank Trainer r
 weights, so matching results also prove the broadcast at setup. Each rank saves its gradients (after the
 cross-rank sum and the clipping), its updated weights, the reference and the logged loss to ``OUT/rank{r}.pt``.
 
-Usage: python dist_worker.py OUT DEVICES [EMPTY_RANK]   (the "dta" launcher re-runs it once per extra rank)
+Usage (from the repository root): python -m tests.lightning.dist_worker OUT DEVICES [EMPTY_RANK]
+(the "dta" launcher re-runs it once per extra rank)
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ import functools
 import os
 import sys
 
+import lightning as L
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import lightning as L  # noqa: E402
-from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama  # noqa: E402
-
-import lightning_dta as dta  # noqa: E402
+import lightning_dta as dta
+from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
 
 LR = 0.5
 CLIP = 0.05  # below the gradient norm, so clipping is active and must act on the SUMMED gradient
@@ -38,7 +36,8 @@ def main() -> None:
         with torch.no_grad():  # a different start on rank 1: the strategy must broadcast rank 0's weights
             for p in model.parameters():
                 p.add_(1.0)
-    module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP, **LOSS)
+    module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP,
+                           loss=dta.PolicyLoss(**LOSS))
     data = StepBatchData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size, empty_rank)])
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=devices, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -13,15 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
-from lightning_helpers import TINY_LLAMA, StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
 from transformers import LlamaForCausalLM
 
 import lightning_dta as dta
 from lightning_dta.data import RolloutDataModule
 from lightning_dta.module import build_causal_lm
+from tests import helpers
+from tests.helpers.lightning import TINY_LLAMA, StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
 
 LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
-DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
+DATA = helpers.REPO / "data" / "tiny_rollouts.jsonl"
 
 
 def trainer(tmp_path: Path, max_steps: int, **kwargs) -> L.Trainer:
@@ -61,7 +62,7 @@ def test_one_device_step_equals_hand_written_step_and_logs(tmp_path: Path) -> No
     model = tiny_llama()
     ref = reference_step(model, rollouts, LOSS, lr=0.5, clip=0.05)
     module = dta.DTAModule(copy.deepcopy(model), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
-                           gradient_clip_val=0.05, **LOSS)
+                           gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS))
     data = StepBatchData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
     fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
     had_group, env = dist.is_initialized(), dict(os.environ)
@@ -104,7 +105,8 @@ def _resume_run(tmp_path: Path, data, max_steps: int, ckpt: Path | None = None, 
     config = {**TINY_LLAMA, "vocab_size": 256, "max_position_embeddings": 512}  # the rollout file's limits
     module = dta.DTAModule(config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
                            lr_scheduler=functools.partial(torch.optim.lr_scheduler.LinearLR, start_factor=0.1,
-                                                          total_iters=4), gradient_clip_val=1.0, **LOSS)
+                                                          total_iters=4), gradient_clip_val=1.0,
+                           loss=dta.PolicyLoss(**LOSS))
     fit = trainer(tmp_path, max_steps, reload_dataloaders_every_n_epochs=1)
     fit.fit(module, data(), ckpt_path=ckpt)
     if save is not None:

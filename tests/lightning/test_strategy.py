@@ -9,10 +9,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 import lightning_dta as dta
 from lightning_dta.step import _check_trainer, batch_tree, step_normalizer
+from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 
 def test_import_registers_the_strategy_names() -> None:

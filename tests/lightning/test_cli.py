@@ -9,14 +9,15 @@ import types
 from pathlib import Path
 
 import pytest
-from lightning_helpers import clean_env
 
 import lightning_dta as dta
 from lightning_dta import cli
 from lightning_dta.data import make_step_batch
 from lightning_dta.rollout import read_rollouts
+from tests import helpers
+from tests.helpers.lightning import clean_env
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = helpers.REPO
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 GPU_CONFIGS = [c for c in CONFIGS if "gpu" in c.name]
 EXECUTABLE = Path(sys.executable).parent / "lightning-dta"  # the console script of [project.scripts]
@@ -56,6 +57,7 @@ def test_fit_tiny_cpu(tmp_path: Path) -> None:
         assert row["throughput/logical_tokens_per_sec"] > 0 and row["memory/cpu_peak_rss_gib"] > 0
 
 
+@pytest.mark.distributed
 def test_fit_tiny_cpu_on_two_processes(tmp_path: Path) -> None:
     rows = step_rows(run_cli(tmp_path, "--trainer.devices=2", "--trainer.max_steps=2"))
     assert len(rows) == 2
@@ -93,7 +95,7 @@ def test_gpu_config_instantiates_without_downloading(config: Path, monkeypatch: 
     assert isinstance(module, dta.DTAModule) and module.model is None
     assert module.hparams["model"].startswith("Qwen/Qwen3-")
     assert module.model_kwargs == {"dtype": "bfloat16", "attn_implementation": "flash_attention_2"}
-    assert module.engine_kwargs["activation"] == "recompute"
+    assert module.engine.activation == "recompute"
     assert parsed.config["trainer"]["precision"] == "32-true"  # the override; the file says bf16-true
     assert "bf16-true" in config.read_text()
 

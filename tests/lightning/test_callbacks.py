@@ -10,10 +10,10 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning_helpers import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 import lightning_dta as dta
 from lightning_dta.memory import peak_rss_bytes, reset_peak_rss
+from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 
 def test_throughput_and_memory_are_logged_per_step(tmp_path: Path) -> None:

@@ -1,9 +1,16 @@
-"""Keys/values of the current root-to-node path, and the gradients that reach them.
+"""Keys/values: the one ``KV`` type, the recorder of a forward's new keys/values, and the path buffers.
 
-One preallocated buffer per layer holds the path's keys (and one its values), positions ``0 .. depth-1``;
-a child reads its ancestors as a view ``[:start]`` instead of concatenating their tensors. Gradient buffers
-of the same shape collect what every descendant sends back to a position, so a node's backward at pop time
-reads the summed gradient of its own keys/values from ``[start:end]``.
+``KV`` is a model's keys/values as one ``(keys, values)`` pair per layer, each ``[rows, kv_heads, length, dim]``.
+
+:class:`KVRecorder` collects the keys/values each layer produces during one forward (after RoPE); both ways of
+attending to the prefix (:mod:`~lightning_dta.engine.prefix_attention` and the model's own attention over a
+KV cache, :mod:`~lightning_dta.engine.forward`) record into one.
+
+:class:`PathKV` holds the keys/values of the current root-to-node path: one preallocated buffer per layer
+for the keys (and one for the values), positions ``0 .. depth-1``. A chunk reads its ancestors as a view
+``[:start]`` instead of concatenating their tensors. Gradient buffers of the same shape collect what every
+descendant sends back to a position, so a chunk's backward at its pop reads the summed gradient of its own
+keys/values from ``[start:end]``.
 """
 
 from __future__ import annotations
@@ -13,7 +20,28 @@ import torch
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 
+class KVRecorder:
+    """The new keys/values of every layer of one forward, in layer order (each layer records once)."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __contains__(self, layer: int) -> bool:
+        return layer in self.layers
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def record(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.layers[layer] = (keys, values)
+
+    def kv(self) -> KV:
+        return [self.layers[i] for i in sorted(self.layers)]
+
+
 class PathKV:
+    """The path's keys/values ``[1, kv_heads, capacity, dim]`` per layer and (for training) their gradients."""
+
     def __init__(self, capacity: int, with_grads: bool = True) -> None:
         self.capacity = capacity
         self.with_grads = with_grads

@@ -7,8 +7,6 @@ import math
 
 import pytest
 import torch
-from reference import assert_grads_close, engine_grads, reference_grads
-from rl_helpers import ScriptedGenerator, tiny_policy
 
 import lightning_dta as dta
 from lightning_dta.rl import (
@@ -26,6 +24,8 @@ from lightning_dta.rl import (
 )
 from lightning_dta.rl.envs.calculator import SYSTEM_PROMPT
 from lightning_dta.rl.warmup import demonstration_rollout, sft_warm_start
+from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
+from tests.helpers.rl import ScriptedGenerator, tiny_policy
 
 RTOL64 = 1e-5  # as tests/test_exactness.py: float64 model, RMSNorm in float32
 

@@ -11,7 +11,6 @@ import types
 import lightning as L
 import pytest
 import torch
-from rl_helpers import ScriptedGenerator, tiny_policy
 
 import lightning_dta as dta
 from lightning_dta.data import RolloutDataModule
@@ -24,6 +23,7 @@ from lightning_dta.rl import (
     ReverseDigits,
     StepResult,
 )
+from tests.helpers.rl import ScriptedGenerator, tiny_policy
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
 
@@ -49,7 +49,7 @@ class TwoTurnEnv(Environment):
 def source(mode: str = "sync", generator=None, env=None, **kwargs) -> OnlineRolloutSource:
     generator = generator if generator is not None else ScriptedGenerator([[5, 2], [6, 7, 2]])
     return OnlineRolloutSource(env if env is not None else TwoTurnEnv(), generator, prompts_per_step=2,
-                               samples_per_prompt=2, mode=mode, **kwargs)
+                               samples_per_prompt=2, rollout_mode=mode, **kwargs)
 
 
 def test_sync_step_structure_and_per_episode_advantages():
@@ -127,7 +127,7 @@ def drive(src: OnlineRolloutSource, steps: int, run_ahead: int = 0, start_versio
         src.next_step()
         infos.append(src.last_step)
         deadline = threading.Event()
-        while src._queue is not None and src._queue.qsize() < run_ahead and not deadline.wait(0.005):
+        while src.steps_ahead < run_ahead and not deadline.wait(0.005):
             pass
         src.update_policy(policy, start_version + version + 1)
     return infos
@@ -141,7 +141,7 @@ def test_async_staleness_bound_holds_and_is_used(max_staleness):
     src.attach(tiny_policy())
     try:
         infos = drive(src, steps=6, run_ahead=max_staleness)
-        assert src._queue.qsize() == max_staleness  # never more than the bound waiting
+        assert src.steps_ahead == max_staleness  # never more than the bound waiting
     finally:
         src.close()
     assert [i.index for i in infos] == list(range(6))
@@ -182,7 +182,7 @@ def test_close_stops_the_thread_and_counts_untrained_steps():
     src = source("async", max_staleness=2)
     src.attach(tiny_policy())
     drive(src, steps=2, run_ahead=2)
-    thread = src._thread
+    thread = src._producer._thread
     src.close()
     assert not thread.is_alive() and src.discarded_steps == 2
     src.close()  # idempotent
@@ -204,7 +204,7 @@ def stale_step(**kwargs) -> tuple[list[dta.Rollout], torch.nn.Module, torch.nn.M
     policy = tiny_policy(scale=2.0)
     stale_policy = tiny_policy(scale=2.0)
     src = OnlineRolloutSource(ReverseDigits(), HFGenerator(max_new_tokens=6), prompts_per_step=2, samples_per_prompt=3,
-                              mode="async", max_staleness=1, **kwargs)
+                              rollout_mode="async", max_staleness=1, **kwargs)
     src.attach(policy)
     try:
         src.next_step()  # step 0, generated and trained at version 0
@@ -261,7 +261,7 @@ def test_attach_and_next_step_errors_name_the_fix():
     with pytest.raises(ValueError, match="no eos_token_id"):
         OnlineRolloutSource(ReverseDigits(), tokenizer=no_eos).attach(tiny_policy())
     with pytest.raises(ValueError, match="mode"):
-        OnlineRolloutSource(ReverseDigits(), mode="fast")
+        OnlineRolloutSource(ReverseDigits(), rollout_mode="fast")
     src = source()
     src.attach(tiny_policy())
     with pytest.raises(RuntimeError, match="twice"):

@@ -2,7 +2,6 @@
 
 import importlib.util
 import random
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,8 +12,9 @@ from lightning_dta import PrefixTree, Rollout, RolloutError, read_rollouts, writ
 from lightning_dta.advantages import grpo_advantages
 from lightning_dta.batch import StepBatch
 from lightning_dta.data import RolloutDataModule, make_step_batch
+from tests import helpers
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = helpers.REPO
 TINY = REPO / "data" / "tiny_rollouts.jsonl"
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging

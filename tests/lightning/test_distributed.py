@@ -21,23 +21,24 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lightning_helpers import clean_env
 
 from lightning_dta.distributed import all_gather_floats, all_reduce_sum, broadcast_module, sum_gradients
+from tests import helpers
+from tests.helpers.lightning import clean_env
 
-HERE = Path(__file__).parent
 RTOL, ATOL = 1e-5, 1e-6
 
 
 def run_worker(tmp_path: Path, devices: int, empty_rank: int | None = None) -> list[dict]:
-    cmd = [sys.executable, str(HERE / "dist_worker.py"), str(tmp_path), str(devices)]
+    cmd = [sys.executable, "-m", "tests.lightning.dist_worker", str(tmp_path), str(devices)]
     if empty_rank is not None:
         cmd.append(str(empty_rank))
-    proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=helpers.REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("empty_rank", [None, 1], ids=["split", "rank1-empty"])
 def test_two_ranks_match_one_process(tmp_path: Path, empty_rank: int | None) -> None:
     ranks = run_worker(tmp_path, 2, empty_rank)
@@ -85,6 +86,7 @@ def _collectives(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 def test_collectives_two_ranks(tmp_path: Path) -> None:
     mp.spawn(_collectives, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from accelerate import Accelerator
-from lightning_helpers import grpo_rollouts, rank_batch, reference_step, tiny_llama
 
 import lightning_dta as dta
 from lightning_dta.accelerate import accelerate_tree_backward
+from tests.helpers.lightning import grpo_rollouts, rank_batch, reference_step, tiny_llama
 
 LOSS = dict(clip_eps=0.2, kl_coef=0.1)
 LR, CLIP = 0.5, 0.05
@@ -63,6 +63,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     accelerator.end_training()
 
 
+@pytest.mark.distributed
 def test_two_processes_match_one(tmp_path: Path) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

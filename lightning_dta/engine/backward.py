@@ -1,0 +1,86 @@
+"""``tree_backward``: the gradient of the policy loss over every rollout of a tree, by the chosen engine mode."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from lightning_dta.engine.dfs import DFSWalk
+from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.mask import mask_backward
+from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
+from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.step_data import StepData, check_tree_fits_model
+from lightning_dta.engine.vanilla import vanilla_backward
+from lightning_dta.losses import PolicyLoss, empty_sums, metrics_from_sums
+from lightning_dta.tree import PrefixTree, TreeStats
+
+
+@dataclass
+class TreeBackwardOutput:
+    """What one ``tree_backward`` call did. ``loss`` is this tree's share of the step loss (with a global
+    ``normalizer`` the shares of all trees and ranks add up to the step loss)."""
+
+    loss: float
+    metrics: dict[str, float]
+    sums: dict[str, float] = field(repr=False)  # raw sums behind the metrics, to add across trees/ranks
+    stats: TreeStats
+    normalizer: float
+
+
+def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions) -> None:
+    """Refuse combinations that would train on something other than what was asked."""
+    if engine.mode == "dfs" and engine.activation == "recompute" and info.has_active_dropout:
+        raise ModelNotSupportedError("activation='recompute' re-runs each chunk, and active dropout would draw a "
+                                     "different mask the second time. Fix: set dropout to 0 or call model.eval().")
+    if engine.mode == "mask" and info.attn_implementation not in (None, "sdpa", "eager"):
+        raise ModelNotSupportedError(
+            f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="
+            f"{info.attn_implementation!r} does not take (it would silently attend causally across branches). "
+            "Fix: load the model with attn_implementation='sdpa' (or 'eager') for the mask baseline.")
+    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    if engine.mode == "mask" and window is not None and tree.stats.max_depth_tokens > window:
+        raise ModelNotSupportedError(
+            f"mode='mask' builds one tree mask for every layer and does not apply the model's sliding window "
+            f"({window} tokens), which the longest rollout ({tree.stats.max_depth_tokens} tokens) exceeds. "
+            "Fix: use mode='dfs' (exact with sliding windows: the model masks the cache itself) or 'vanilla'.")
+
+
+def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None = None, mode: str | None = None,
+                  *, engine: EngineOptions | Mapping[str, Any] | None = None, normalizer: float | None = None,
+                  **overrides: Any) -> TreeBackwardOutput:
+    """Add the gradient of the policy loss over every rollout of ``tree`` to the parameters' ``.grad``.
+
+    Args:
+        model: a Hugging Face causal LM that accepts a KV cache.
+        tree: the rollouts, as a :class:`PrefixTree`.
+        loss_fn: the loss (default ``PolicyLoss()``).
+        mode: shorthand for ``EngineOptions.mode`` (``"dfs"``, ``"vanilla"`` or ``"mask"``).
+        engine: the :class:`EngineOptions` (default ``EngineOptions()``); every combination is exact.
+        normalizer: the step's loss normaliser (see ``PolicyLoss.normalizer``); ``None`` uses this tree's own.
+            A distributed step passes the sum over all ranks so that every rank's gradient shares one scale.
+        overrides: any :class:`EngineOptions` field as a keyword (``activation="recompute"``, ``chunk_size=256``,
+            ...), applied on top of ``engine``.
+    """
+    if mode is not None:
+        overrides["mode"] = mode
+    engine = EngineOptions.resolve(engine, **overrides)
+    loss_fn = loss_fn or PolicyLoss()
+    info = inspect_model(model, uses_cache=engine.mode != "vanilla",
+                         prefix_attention=engine.prefix_attention if engine.mode == "dfs" else False)
+    _check_supported(model, info, tree, engine)
+    check_tree_fits_model(tree, info.vocab_size, info.max_positions)
+    step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
+    sums = empty_sums()
+    if engine.mode == "dfs":
+        total = DFSWalk(model, info, tree, step, loss_fn, engine, sums).run()
+    elif engine.mode == "vanilla":
+        total = vanilla_backward(model, info, tree, step, loss_fn, sums, engine.vanilla_batch_tokens)
+    else:
+        total = mask_backward(model, info, tree, step, loss_fn, sums, engine.mask_max_tokens)
+    sums = {key: float(value) for key, value in sums.items()}
+    return TreeBackwardOutput(loss=float(total), metrics=metrics_from_sums(sums), sums=sums, stats=tree.stats,
+                              normalizer=step.normalizer)

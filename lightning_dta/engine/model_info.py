@@ -1,0 +1,125 @@
+"""What the engine needs to know about a model, checked once per call before anything is trained.
+
+:func:`inspect_model` reads the forward signature (the cache argument's name, ``logits_to_keep``), the model's
+limits (vocabulary, positions), its dtype, device and dropout, refuses set-ups that would silently train on
+something else (no KV cache, transformers gradient checkpointing, layers without keys/values) and decides
+whether prefix attention runs (its configuration rules and a probe forward, see
+:mod:`~lightning_dta.engine.prefix_attention`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.prefix_attention import (
+    attention_configs,
+    original_implementation,
+    probe,
+    unsupported_reason,
+)
+
+KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # layer types that cache keys/values
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    cache_arg: str  # "cache" (transformers >= 5.24) or "past_key_values"
+    logits_to_keep: bool  # whether forward accepts an index tensor of positions to project
+    vocab_size: int | None
+    max_positions: int | None
+    dtype: torch.dtype
+    device: torch.device
+    has_active_dropout: bool
+    attn_implementation: str | None
+    # configs whose attention the attention switch turns into prefix attention during a forward (empty: the
+    # model's own attention with a KV cache and a causal mask)
+    prefix_attention_configs: tuple = ()
+    num_layers: int | None = None  # decoder layers, each of which must hand over its new keys/values
+
+    @property
+    def packs_siblings(self) -> bool:
+        """Sibling chunks go into one packed row (prefix attention) rather than padded rows."""
+        return bool(self.prefix_attention_configs)
+
+
+def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
+    """The keyword arguments ``model`` accepts. Wrappers such as PEFT (LoRA) declare ``**kwargs`` and pass them
+    to the wrapped model, so its arguments (``cache``, ``logits_to_keep``) count too."""
+    params = dict(inspect.signature(model.forward).parameters)
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if takes_kwargs and hasattr(model, "get_base_model"):
+        params.update(inspect.signature(model.get_base_model().forward).parameters)
+    return params
+
+
+def text_config(model: nn.Module):
+    """The config that describes the language model (the text part of a multimodal config), or ``None``."""
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
+    """The model's vocabulary size and maximum positions (``None`` where the config does not say)."""
+    text = text_config(model)
+    vocab_size = getattr(text, "vocab_size", None)
+    max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
+    return vocab_size, max_positions
+
+
+def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | None) -> ModelInfo:
+    """Check that ``model`` can take a KV cache and is not in a mode that silently drops it.
+
+    ``uses_cache=False`` (the per-rollout baseline) allows transformers gradient checkpointing, which is then
+    harmless: it only drops caches, and that mode passes none. ``prefix_attention``: ``None`` uses
+    :mod:`prefix_attention` where the model supports it, ``True`` requires it, ``False`` never uses it.
+    """
+    params = _forward_parameters(model)
+    if "cache" in params:
+        cache_arg = "cache"
+    elif "past_key_values" in params:
+        cache_arg = "past_key_values"
+    else:
+        raise ModelNotSupportedError(
+            f"{type(model).__name__}.forward takes no KV cache (no 'cache' or 'past_key_values' argument); "
+            "prefix-tree training feeds the ancestors' keys/values as the cache. Fix: use a Hugging Face causal "
+            "LM with KV-cache support (Llama, Qwen2/3, Mistral, Gemma, GPT-2, ...) or mode='vanilla'.")
+    checkpointing_flag = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    if uses_cache and getattr(model, checkpointing_flag, False):
+        raise ModelNotSupportedError(
+            "transformers gradient checkpointing is enabled; it drops the KV cache during training (with only a "
+            "warning), which would train on different inputs. Fix: call model.gradient_checkpointing_disable() "
+            "and use EngineOptions(activation='recompute', chunk_size=...) instead.")
+    config = getattr(model, "config", None)
+    text = text_config(model)
+    vocab_size, max_positions = model_limits(model)
+    first = next(model.parameters())
+    dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
+    attn_implementation = original_implementation(config) if config is not None else None
+    num_layers = getattr(text, "num_hidden_layers", None)
+    cacheless = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind not in KV_LAYER_TYPES})
+    if uses_cache and cacheless:
+        raise ModelNotSupportedError(
+            f"{type(model).__name__} has layers of type {cacheless}, which keep no keys/values: a shared prefix "
+            "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
+    configs = ()
+    if uses_cache and prefix_attention is not False:
+        candidates = attention_configs(model)
+        reason = unsupported_reason(model, first.device, candidates) or probe(model, num_layers)
+        if reason is None:
+            configs = candidates
+        elif prefix_attention:
+            raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
+                                         "(use it where possible) or False.")
+    return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
+                     dropout, attn_implementation, configs, num_layers)
+
+
+def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
+    """Log-softmax and the loss run in float32 for half-precision models (float64 models keep float64)."""
+    return torch.float64 if model_dtype == torch.float64 else torch.float32

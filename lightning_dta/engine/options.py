@@ -1,0 +1,101 @@
+"""Every option of the tree engine in one typed object, :class:`EngineOptions`.
+
+One place defines each option, its type, its default and its check; everything that runs the engine
+(``tree_backward``, ``tree_logprobs``, the step functions, ``DTAModule``, the online RL source, the bench)
+takes an ``EngineOptions`` and hands it on unchanged. In YAML it is a nested block (``model.engine``) whose
+field docstrings are the CLI help. Every combination of options computes exactly the same gradients; they
+only trade memory against speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args, get_type_hints
+
+Mode = Literal["dfs", "vanilla", "mask"]
+Activation = Literal["keep", "recompute"]
+Order = Literal["leaves-first", "tree"]
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How ``tree_backward`` and ``tree_logprobs`` walk a prefix tree (all options are exact)."""
+
+    mode: Mode = "dfs"
+    """"dfs" (the method: push / visit / pop), "vanilla" (every rollout on its own: the reference and the
+    baseline) or "mask" (the whole tree packed into one sequence under a tree attention mask)."""
+
+    activation: Activation = "keep"
+    """dfs: "keep" keeps each chunk's graph until it is popped; "recompute" pushes without a graph and
+    re-forwards the chunk with grad at its pop (memory: the path's keys/values and their gradients plus one
+    chunk's activations)."""
+
+    chunk_size: int | None = None
+    """dfs and forward-only walks: split nodes into chunks of at most this many tokens, popped back to front
+    (null: one chunk per node)."""
+
+    sibling_batch_tokens: int | None = 4096
+    """dfs and forward-only walks: forward up to this many tokens of sibling chunks together over their shared
+    prefix (packed into one row under prefix attention, padded rows otherwise); null forwards each alone."""
+
+    order: Order = "leaves-first"
+    """dfs and forward-only walks: "leaves-first" (leaf children first, then subtrees from the smallest; each
+    batch of similar lengths) or "tree" (the tree's own order)."""
+
+    prefix_attention: bool | None = None
+    """dfs and forward-only walks: attend to the shared prefix without copying or masking it (one flash call
+    over the prefix for all packed siblings, one causal call per chunk, merged by log-sum-exp). null: where the
+    model supports it; true: required; false: the model's own attention over a KV cache."""
+
+    mask_max_tokens: int | None = None
+    """mask: pack at most this many tree tokens per forward (sharing across packs is lost); null: whole tree."""
+
+    vanilla_batch_tokens: int | None = None
+    """vanilla: right-padded micro-batches of at most this many tokens (rows x longest row); null: one rollout
+    per forward."""
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for spec in dataclasses.fields(self):
+            value = getattr(self, spec.name)
+            choices = get_args(hints[spec.name])
+            if all(isinstance(c, str) for c in choices) and choices:  # a Literal of names
+                if value not in choices:
+                    raise ValueError(f"EngineOptions.{spec.name}={value!r}; choose one of {list(choices)}")
+            elif spec.name == "prefix_attention":
+                if value not in (None, True, False):
+                    raise ValueError(f"EngineOptions.prefix_attention={value!r}; use null, true or false")
+            elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"EngineOptions.{spec.name}={value!r}; use null or a positive int")
+
+    @classmethod
+    def resolve(cls, engine: EngineOptions | Mapping[str, Any] | None = None, **overrides: Any) -> EngineOptions:
+        """``engine`` (default ``EngineOptions()``; a mapping of fields, e.g. from a checkpoint, works too) with
+        ``overrides`` applied. An unknown name raises ``TypeError`` listing the fields."""
+        if engine is None:
+            engine = cls()
+        elif isinstance(engine, Mapping):
+            engine = cls(**_known(cls, dict(engine)))
+        elif not isinstance(engine, cls):
+            raise TypeError(f"engine must be an EngineOptions, a mapping of its fields or None, got "
+                            f"{type(engine).__name__}")
+        return dataclasses.replace(engine, **_known(cls, overrides)) if overrides else engine
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain data (for checkpoints and logs)."""
+        return dataclasses.asdict(self)
+
+
+def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {unknown}; EngineOptions has {names}")
+    return values
+
+
+def choices(field_name: str) -> tuple[str, ...]:
+    """The allowed values of a ``Literal`` field of :class:`EngineOptions` (e.g. ``choices("mode")``)."""
+    return get_args(get_type_hints(EngineOptions)[field_name])

@@ -1,0 +1,127 @@
+"""The depth-first traversal shared by the training walk (:mod:`.dfs`) and the forward-only walk (:mod:`.logprobs`).
+
+The vocabulary of the engine:
+
+- a **node** (:class:`~lightning_dta.tree.TreeNode`) holds the positions ``start .. end-1`` that its rollouts share;
+- a **chunk** (:class:`Chunk`) is the engine's unit of work: positions ``start .. end-1`` of one node, forwarded
+  in one call. A node is one chunk, or with ``chunk_size`` a chain of chunks walked front to back and popped
+  back to front;
+- a **sibling batch** is a list of chunks that start at the same position (children of one node), forwarded
+  together over their shared prefix (:class:`~lightning_dta.engine.sibling_batch.SiblingBatch` is its layout).
+
+:class:`TreeWalk` cuts the children of a node into chunks, orders them, groups them into sibling batches of at
+most ``sibling_batch_tokens`` computed tokens, and hands each batch to :meth:`TreeWalk.visit_batch`, which a
+walker implements: it forwards the batch, writes each chunk's keys/values into the path buffers and calls
+:meth:`TreeWalk.descend` for the chunks with something below them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from lightning_dta.engine.kv import PathKV
+from lightning_dta.engine.options import EngineOptions
+from lightning_dta.tree import PrefixTree, TreeNode
+
+if TYPE_CHECKING:
+    from lightning_dta.engine.model_info import ModelInfo
+
+MAX_PADDING = 0.15  # a padded batch stops growing once padding would exceed this fraction of its computed tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Positions ``start .. end-1`` of ``node``: one forward of the engine."""
+
+    node: TreeNode
+    start: int
+    end: int
+
+    @classmethod
+    def first(cls, node: TreeNode, chunk_size: int | None) -> Chunk:
+        """The node's first chunk (the whole node without ``chunk_size``)."""
+        return cls.at(node, node.start, chunk_size)
+
+    @classmethod
+    def at(cls, node: TreeNode, start: int, chunk_size: int | None) -> Chunk:
+        return cls(node, start, node.end if chunk_size is None else min(start + chunk_size, node.end))
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def has_children(self) -> bool:
+        """Something lies below: the node's next chunk, or its children."""
+        return self.end < self.node.end or not self.node.is_leaf
+
+
+def order_children(node: TreeNode, order: str) -> list[TreeNode]:
+    """``"leaves-first"``: leaf children first (they are freed at once), then subtrees from the smallest up;
+    ``"tree"``: the tree's own order."""
+    if order == "tree":
+        return list(node.children)
+    return sorted(node.children, key=lambda c: (not c.is_leaf, c.length if c.is_leaf else len(c.rollouts)))
+
+
+def batch_by_budget(chunks: list[Chunk], budget: int | None, packed: bool) -> list[list[Chunk]]:
+    """Group consecutive chunks so that a batch computes at most ``budget`` tokens (``None``: one per batch).
+
+    Packed batches have no padding. Padded batches count rows x longest row and also keep padding under
+    ``MAX_PADDING``: a padded token costs as much as a real one, an extra forward only its fixed overhead. A
+    chunk longer than the budget forms a batch of its own.
+    """
+    if budget is None:
+        return [[chunk] for chunk in chunks]
+    batches: list[list[Chunk]] = []
+    longest = real = 0
+    for chunk in chunks:
+        size = chunk.length
+        if batches:
+            width = max(longest, size)
+            computed = real + size if packed else (len(batches[-1]) + 1) * width
+            if computed <= budget and computed - (real + size) <= MAX_PADDING * computed:
+                batches[-1].append(chunk)
+                longest, real = width, real + size
+                continue
+        batches.append([chunk])
+        longest = real = size
+    return batches
+
+
+class TreeWalk:
+    """Depth-first over ``tree`` in sibling batches; subclasses implement :meth:`visit_batch`."""
+
+    with_grads = True  # whether the path buffers collect gradients
+
+    def __init__(self, tree: PrefixTree, info: ModelInfo, engine: EngineOptions) -> None:
+        self.tree = tree
+        self.info = info
+        self.engine = engine
+        self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=self.with_grads)
+
+    def run(self) -> None:
+        self.visit_children(self.tree.root)
+
+    def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
+        """The chunks of sibling nodes, in the groups batches may not cross (one group here)."""
+        return [chunks]
+
+    def visit_children(self, node: TreeNode) -> None:
+        chunks = [Chunk.first(child, self.engine.chunk_size) for child in order_children(node, self.engine.order)]
+        for group in self.groups(chunks):
+            if self.engine.order == "leaves-first":
+                group = sorted(group, key=lambda chunk: chunk.length)  # similar lengths: little padding
+            for batch in batch_by_budget(group, self.engine.sibling_batch_tokens, self.info.packs_siblings):
+                self.visit_batch(batch)
+
+    def descend(self, chunk: Chunk) -> None:
+        """Walk what lies below ``chunk``: the node's next chunk, or the node's children."""
+        if chunk.end < chunk.node.end:
+            self.visit_batch([Chunk.at(chunk.node, chunk.end, self.engine.chunk_size)])
+        else:
+            self.visit_children(chunk.node)
+
+    def visit_batch(self, chunks: list[Chunk]) -> None:
+        raise NotImplementedError
