@@ -25,7 +25,7 @@ are not counted; standalone, a step counts as soon as it is yielded.
 
 Device transfer. The datamodule's ``transfer_batch_to_device`` hands a ``StepBatch`` over unchanged: the
 tree's token tensors stay in host memory, where the engine indexes them cheaply, and the engine moves each
-segment's data to the model's device itself. (Lightning's default would rebuild the dataclass field by
+chunk's data to the model's device itself. (Lightning's default would rebuild the dataclass field by
 field.) If the LightningModule overrides the same hook, Lightning uses the datamodule's and warns.
 """
 
@@ -321,7 +321,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     @override
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Leave a ``StepBatch`` on the host: the engine moves each segment's data to the model's device."""
+        """Leave a ``StepBatch`` on the host: the engine moves each chunk's data to the model's device."""
         if isinstance(batch, StepBatch):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)

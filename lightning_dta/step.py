@@ -186,7 +186,7 @@ class DFSStepMixin:
     ``self.dfs_training_step(batch, loss_fn, model=...)`` is :func:`dfs_training_step` for this module.
 
     Tree batches need no device hook: Lightning's default transfer leaves the tree's host tensors alone, and the
-    engine moves each segment's tokens to the model's device itself.
+    engine moves each chunk's tokens to the model's device itself.
     """
 
     def dfs_training_step(self, batch: StepBatch | PrefixTree | None, loss_fn: PolicyLoss | None = None,

@@ -61,7 +61,7 @@ class PathKV:
                 self.value_grads.append(values.new_zeros(shape_v))
 
     def write(self, start: int, new_kv: KV) -> None:
-        """Store a segment's keys/values at ``start..`` and clear the gradients collected there."""
+        """Store a chunk's keys/values at ``start..`` and clear the gradients collected there."""
         if not self.keys:
             self._allocate(new_kv)
         end = start + new_kv[0][0].shape[2]
@@ -74,11 +74,11 @@ class PathKV:
                     self.value_grads[layer][:, :, start:end].zero_()
 
     def past(self, start: int, requires_grad: bool) -> tuple[KV | None, list[torch.Tensor]]:
-        """The prefix ``[1, kv_heads, start, dim]`` per layer for a segment that starts at ``start``, and the leaf
+        """The prefix ``[1, kv_heads, start, dim]`` per layer for a chunk that starts at ``start``, and the leaf
         tensors whose grads to collect.
 
         The leaves are views of the buffers, which later siblings overwrite beyond ``start`` only; positions
-        below ``start`` stay unchanged until the segment is popped.
+        below ``start`` stay unchanged until the chunk is popped.
         """
         if start == 0 or not self.keys:
             return None, []
