@@ -14,8 +14,9 @@ and a tree costs the sum over its nodes. The first term is the token-linear work
 the second is attention. Per layer and token a transformer spends about ``24 d^2`` FLOPs in its linear
 layers (``~12 d^2`` weights, two FLOPs each) and ``4 d`` per attended key (``q.k`` and the weighted sum of
 ``v``), so ``attention_weight ~ 4d / 24d^2 = 1 / (6 d)`` for hidden size ``d``: see
-:func:`attention_weight_for`. Kernels are not equally efficient on both terms; :func:`calibrate` fits the
-weight to measured step times instead.
+:func:`attention_weight_for`. Kernels are not equally efficient on both terms, and each forward call has a
+fixed cost (it reads every weight), so :class:`CostModel` adds a per-branch term and :class:`CostCalibrator`
+fits all three coefficients to the run's measured step times (the data module feeds it every step).
 
 Two partitioners, both deterministic, both returning the rollout indices of each rank as sorted lists:
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -50,15 +52,59 @@ DEFAULT_ATTENTION_WEIGHT = attention_weight_for(4096)
 """The coefficient for a 7-8B model (hidden size 4096); attention then matters from a few thousand tokens on."""
 
 
-def segment_cost(start: int, end: int, attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> float:
+@dataclass(frozen=True)
+class CostModel:
+    """The predicted cost of DFS-training a tree: ``token`` per tree token, ``attention`` per (query, key) pair
+    and ``branch`` per distinct rollout (each adds a branch: about one more forward call and backward, whose fixed
+    cost dominates small nodes on a CPU or a small model).
+
+    Uncalibrated (the default) the unit is one token: ``token=1``, the attention weight of a 7-8B model, no
+    branch cost. :class:`CostCalibrator` fits all three to measured step times, in seconds.
+    """
+
+    token: float = 1.0
+    """cost of one tree token (linear layers, head)"""
+    attention: float = DEFAULT_ATTENTION_WEIGHT
+    """cost of one (query, key) pair of attention"""
+    branch: float = 0.0
+    """cost of one distinct rollout of a rank (its branch of the tree: a forward call and its backward)"""
+
+    def __post_init__(self) -> None:
+        if min(self.token, self.attention, self.branch) < 0 or self.token + self.attention + self.branch <= 0:
+            raise ValueError(f"{self} must have non-negative coefficients, not all zero")
+
+    @classmethod
+    def coerce(cls, value: CostModel | float) -> CostModel:
+        """A cost model, or a bare attention weight (token 1, no branch cost)."""
+        return value if isinstance(value, CostModel) else cls(attention=float(value))
+
+    def segment(self, start: int, end: int) -> float:
+        """Cost of forwarding positions ``start .. end-1`` with the positions before them cached."""
+        n = end - start
+        return self.token * n + self.attention * n * (start + end + 1) / 2
+
+    def of(self, features: TreeFeatures) -> float:
+        """Cost of a tree with these features."""
+        return self.token * features.tokens + self.attention * features.pairs + self.branch * features.branches
+
+
+class TreeFeatures(NamedTuple):
+    """What a tree's DFS costs depend on: its tokens, attention pairs and branches (distinct rollouts). A tuple, so
+    that Lightning's batch conversions (precision, device) pass it through a ``StepBatch`` untouched."""
+
+    tokens: int = 0
+    pairs: int = 0
+    branches: int = 0
+
+
+def segment_cost(start: int, end: int, cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> float:
     """Cost of forwarding positions ``start .. end-1`` with the positions before them cached."""
-    n = end - start
-    return n + attention_weight * n * (start + end + 1) / 2
+    return CostModel.coerce(cost_model).segment(start, end)
 
 
-def tree_cost(tree: PrefixTree, attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> float:
-    """Predicted cost of training ``tree`` with the DFS engine: the sum of its nodes' segment costs."""
-    return sum(segment_cost(node.start, node.end, attention_weight) for node in tree.iter_nodes())
+def tree_cost(tree: PrefixTree, cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> float:
+    """Predicted cost of training ``tree`` with the DFS engine."""
+    return CostModel.coerce(cost_model).of(tree_features(tree))
 
 
 def attention_pairs(tree: PrefixTree) -> int:
@@ -66,12 +112,18 @@ def attention_pairs(tree: PrefixTree) -> int:
     return sum(node.length * (node.start + node.end + 1) // 2 for node in tree.iter_nodes())
 
 
+def tree_features(tree: PrefixTree) -> TreeFeatures:
+    distinct = sum(1 for node in tree.iter_nodes() if node.ends_here)
+    return TreeFeatures(tree.stats.tree_tokens, attention_pairs(tree), distinct)
+
+
 def calibrate(trees: Sequence[PrefixTree], seconds: Sequence[float]) -> float:
     """Fit ``attention_weight`` to measured times: ``seconds ~ a * tree_tokens + b * attention_pairs``.
 
     A least-squares fit without intercept over trees of different shapes (vary depth as well as size, or the
     two terms cannot be told apart); returns ``b / a``, the weight :func:`tree_cost` expects, clamped at 0.
-    Time each tree the way training runs it (same engine options, after warm-up).
+    Time each tree the way training runs it (same engine options, after warm-up). A run calibrates itself with
+    :class:`CostCalibrator` (``RolloutDataModule(calibrate_cost_model=True)``).
     """
     if len(trees) != len(seconds):
         raise ValueError(f"got {len(trees)} trees but {len(seconds)} times")
@@ -85,6 +137,53 @@ def calibrate(trees: Sequence[PrefixTree], seconds: Sequence[float]) -> float:
         raise ValueError(f"the fitted time per token is {per_token:.3g} <= 0: the times do not grow with the "
                          "tokens (too noisy, or dominated by a fixed overhead); time larger trees")
     return max(float(per_pair / per_token), 0.0)
+
+
+def _nonnegative_least_squares(features: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """``argmin ||features @ x - times||`` over ``x >= 0``, by dropping the most negative coefficient until none is
+    (an active-set pass that is exact for the three well-separated features used here)."""
+    active = list(range(features.shape[1]))
+    coefficients = np.zeros(features.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(features[:, active], times, rcond=None)
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            break
+        active.pop(int(np.argmin(solution)))
+    return coefficients
+
+
+class CostCalibrator:
+    """Fit the cost model to the run's own timings: every rank's DFS seconds against its features, over the last
+    ``window`` observations. Every rank feeds it the same all-gathered numbers, so every rank fits the same
+    model and the next partitions agree without a collective.
+    """
+
+    def __init__(self, window: int = 64, min_observations: int = 6) -> None:
+        self.window, self.min_observations = window, min_observations
+        self.observations: list[tuple[TreeFeatures, float]] = []
+
+    def observe(self, features: Sequence[TreeFeatures], seconds: Sequence[float]) -> None:
+        """One step: each rank's features and measured DFS seconds (ranks without work are skipped)."""
+        if len(features) != len(seconds):
+            raise ValueError(f"got features of {len(features)} ranks but times of {len(seconds)}")
+        for f, t in zip(features, seconds):
+            if f.tokens > 0 and t > 0:
+                self.observations.append((f, float(t)))
+        del self.observations[:-self.window]
+
+    def fit(self) -> CostModel | None:
+        """The fitted model in seconds, or ``None`` while the observations cannot tell the terms apart."""
+        if len(self.observations) < self.min_observations:
+            return None
+        features = np.array([[f.tokens, f.pairs, f.branches] for f, _ in self.observations], dtype=np.float64)
+        times = np.array([t for _, t in self.observations])
+        scale = features.max(axis=0)
+        scale[scale == 0] = 1.0
+        token, attention, branch = _nonnegative_least_squares(features / scale, times) / scale
+        if token <= 0 and attention <= 0:
+            return None  # the times do not grow with the work (noise or a fixed overhead): keep the current model
+        return CostModel(token=float(token), attention=float(attention), branch=float(branch))
 
 
 def _as_tree(rollouts: Sequence[Rollout] | PrefixTree) -> PrefixTree:
@@ -113,7 +212,7 @@ class _Chain:
 
 
 def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
-                         attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+                         cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
     """Cut the lexicographic order into ``world_size`` contiguous pieces with the smallest maximum cost.
 
     Appending a rollout to a piece adds the cost of its positions ``lcp .. len-1`` (``lcp`` with the previous
@@ -125,17 +224,19 @@ def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: i
     Args:
         rollouts: the step's rollouts, or their :class:`PrefixTree` if it is already built.
         world_size: number of data-parallel ranks.
-        attention_weight: the cost model's attention coefficient.
+        cost_model: the :class:`CostModel` (or a bare attention weight).
 
     Returns:
         For each rank, the sorted indices (into ``rollouts``) of its rollouts; a rank may get none.
     """
     _check_world_size(world_size)
+    cost = CostModel.coerce(cost_model)
     tree = _as_tree(rollouts)
     chain = _Chain.of(tree)
     n = len(chain.order)
-    alone = [segment_cost(0, length, attention_weight) for length in chain.lengths]
-    added = [segment_cost(lcp, length, attention_weight) for lcp, length in zip(chain.lcps, chain.lengths)]
+    alone = [cost.segment(0, length) + cost.branch for length in chain.lengths]
+    added = [cost.segment(lcp, length) + (cost.branch if length > lcp else 0.0)
+             for lcp, length in zip(chain.lcps, chain.lengths)]
 
     def cut(threshold: float, reserve: bool) -> list[int] | None:
         """Piece end positions of the greedy sweep, or None if ``world_size`` pieces do not cover the chain."""
@@ -168,7 +269,7 @@ def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: i
 
 
 def partition_greedy(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
-                     attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+                     cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
     """Assign whole trees, largest first, each to the currently least loaded rank (LPT scheduling).
 
     Ties are broken by content (a tree's first token, which is distinct for every tree under the virtual root)
@@ -180,7 +281,9 @@ def partition_greedy(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
     """
     _check_world_size(world_size)
     tree = _as_tree(rollouts)
-    subtree_cost = [segment_cost(node.start, node.end, attention_weight) for node in tree.nodes]
+    cost = CostModel.coerce(cost_model)
+    subtree_cost = [cost.segment(node.start, node.end) + (cost.branch if node.ends_here else 0.0)
+                    for node in tree.nodes]
     for node in reversed(tree.nodes[1:]):  # pre-order: children come after their parents
         subtree_cost[node.parent.index] += subtree_cost[node.index]
     trees = sorted(tree.root.children, key=lambda top: (-subtree_cost[top.index], int(tree.tokens(top)[0])))
@@ -205,10 +308,10 @@ def check_partition_method(method: str) -> None:
 
 
 def partition(rollouts: Sequence[Rollout] | PrefixTree, world_size: int, method: str = "contiguous",
-              attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+              cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
     """Split one step's rollouts across ``world_size`` ranks with the partitioner named ``method``."""
     check_partition_method(method)
-    return PARTITIONERS[method](rollouts, world_size, attention_weight)
+    return PARTITIONERS[method](rollouts, world_size, cost_model)
 
 
 @dataclass
@@ -219,6 +322,7 @@ class PartitionReport:
     rank_costs: list[float]
     rank_logical_tokens: list[int]
     rank_tree_tokens: list[int]
+    rank_features: list[TreeFeatures]  # what each rank's cost is made of (for the calibration)
     step_cost: float  # the whole step on one rank
     step_tree_tokens: int  # the whole step's tree, before the cut
     lower_bound: float  # no partition can do better: max(step_cost / world_size, dearest single rollout)
@@ -250,7 +354,7 @@ class PartitionReport:
 
 
 def partition_report(rollouts: Sequence[Rollout] | PrefixTree, assignment: Sequence[Sequence[int]],
-                     attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> PartitionReport:
+                     cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> PartitionReport:
     """Price every rank of ``assignment`` (which must hold every rollout exactly once) without building trees."""
     tree = _as_tree(rollouts)
     n = len(tree.rollouts)
@@ -265,24 +369,26 @@ def partition_report(rollouts: Sequence[Rollout] | PrefixTree, assignment: Seque
     if -1 in owner:
         raise ValueError(f"rollout {owner.index(-1)} is assigned to no rank")
     world_size = len(assignment)
+    cost = CostModel.coerce(cost_model)
     chain = _Chain.of(tree)
-    costs = [0.0] * world_size
     logical = [0] * world_size
-    tree_tokens = [0] * world_size
+    tokens, pairs, branches = [0] * world_size, [0] * world_size, [0] * world_size
     last = [-1] * world_size  # chain position of each rank's previous rollout
     for pos, (rollout, length) in enumerate(zip(chain.order, chain.lengths)):
         rank = owner[rollout]
         lcp = min(chain.lcps[last[rank] + 1:pos + 1]) if last[rank] >= 0 else 0
-        costs[rank] += segment_cost(lcp, length, attention_weight)
         logical[rank] += length
-        tree_tokens[rank] += length - lcp
+        tokens[rank] += length - lcp
+        pairs[rank] += (length * (length + 1) - lcp * (lcp + 1)) // 2  # positions lcp .. length-1, each p + 1 keys
+        branches[rank] += int(length > lcp)
         last[rank] = pos
-    step_cost = tree_cost(tree, attention_weight)
-    dearest = max(segment_cost(0, length, attention_weight) for length in chain.lengths)
+    features = [TreeFeatures(t, p, b) for t, p, b in zip(tokens, pairs, branches)]
+    step_cost = tree_cost(tree, cost)
+    dearest = max(cost.segment(0, length) + cost.branch for length in chain.lengths)
     return PartitionReport(
-        assignment=[list(indices) for indices in assignment], rank_costs=costs, rank_logical_tokens=logical,
-        rank_tree_tokens=tree_tokens, step_cost=step_cost, step_tree_tokens=tree.stats.tree_tokens,
-        lower_bound=max(step_cost / world_size, dearest))
+        assignment=[list(indices) for indices in assignment], rank_costs=[cost.of(f) for f in features],
+        rank_logical_tokens=logical, rank_tree_tokens=tokens, rank_features=features, step_cost=step_cost,
+        step_tree_tokens=tree.stats.tree_tokens, lower_bound=max(step_cost / world_size, dearest))
 
 
 def _check_world_size(world_size: int) -> None:

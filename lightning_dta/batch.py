@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lightning_dta.balance import TreeFeatures
 from lightning_dta.rollout import Rollout
 from lightning_dta.tree import PrefixTree, TreeStats
 
@@ -24,6 +25,7 @@ class StepBatch:
     rank_costs: list[float] = field(default_factory=list)  # predicted cost of every rank, index = rank
     partition_logical_tokens: list[int] = field(default_factory=list)  # logical tokens of every rank
     partition_tree_tokens: list[int] = field(default_factory=list)  # tree tokens of every rank, after the cut
+    rank_features: list[TreeFeatures] = field(default_factory=list)  # what every rank's cost is made of
 
     @property
     def rollouts(self) -> list[Rollout]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
@@ -47,7 +48,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_dta.advantages import check_advantage_estimator, estimate_advantages
-from lightning_dta.balance import DEFAULT_ATTENTION_WEIGHT, check_partition_method, partition, partition_report
+from lightning_dta.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.batch import StepBatch
 from lightning_dta.engine.model_info import model_limits
 from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts
@@ -58,7 +59,7 @@ StepSource = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollou
 
 def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *,
                     advantage_estimator: str | None = None, partition_method: str = "contiguous",
-                    attention_weight: float = DEFAULT_ATTENTION_WEIGHT) -> StepBatch:
+                    cost_model: CostModel | None = None) -> StepBatch:
     """This rank's share of one step: advantages over the whole step, then the partition, then the rank's tree.
 
     Deterministic: every rank calling it on the same step gets the same partition. The rollouts must already
@@ -68,13 +69,14 @@ def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *,
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
     rollouts = estimate_advantages(rollouts, advantage_estimator)
     step_tree = PrefixTree.from_rollouts(rollouts, validate=False)
-    assignment = partition(step_tree, world_size, partition_method, attention_weight)
-    report = partition_report(step_tree, assignment, attention_weight)
+    cost_model = cost_model or CostModel()
+    assignment = partition(step_tree, world_size, partition_method, cost_model)
+    report = partition_report(step_tree, assignment, cost_model)
     mine = assignment[rank]
     return StepBatch(tree=step_tree.subset(mine) if mine else None, rank=rank, world_size=world_size,
                      step_stats=step_tree.stats, rank_costs=report.rank_costs,
                      partition_logical_tokens=report.rank_logical_tokens,
-                     partition_tree_tokens=report.rank_tree_tokens)
+                     partition_tree_tokens=report.rank_tree_tokens, rank_features=report.rank_features)
 
 
 @contextlib.contextmanager
@@ -117,7 +119,10 @@ class RolloutDataModule(L.LightningDataModule):
         advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
             (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step.
         partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
-        attention_weight: the cost model's attention coefficient (see ``lightning_dta.balance``).
+        cost_model: the partition's :class:`~lightning_dta.balance.CostModel` (its start, when calibrated).
+        calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step
+            (:meth:`observe_step`, which ``DTAModule`` calls), so the partition learns what this model and
+            hardware actually spend on tokens, attention and forward calls.
         shuffle: file sources only: visit the steps in a random order, a new one each epoch.
         seed: the shuffle seed; it must be the same on every rank (all ranks must agree on the step).
         max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
@@ -129,7 +134,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def __init__(self, path: str | Path | None = None, source: StepSource | None = None,
                  rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
-                 partition_method: str = "contiguous", attention_weight: float = DEFAULT_ATTENTION_WEIGHT,
+                 partition_method: str = "contiguous", cost_model: CostModel | None = None,
+                 calibrate_cost_model: bool = True,
                  shuffle: bool = False, seed: int = 0, max_steps_per_epoch: int | None = None,
                  vocab_size: int | None = None, max_positions: int | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
@@ -149,14 +155,15 @@ class RolloutDataModule(L.LightningDataModule):
         self.save_hyperparameters({
             "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,
             "advantage_estimator": advantage_estimator, "partition_method": partition_method,
-            "attention_weight": attention_weight, "shuffle": shuffle, "seed": seed,
+            "calibrate_cost_model": calibrate_cost_model, "shuffle": shuffle, "seed": seed,
             "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions})
         self.path = None if path is None else Path(path)
         self.source = source
         self.rollouts_per_step = rollouts_per_step
         self.advantage_estimator = advantage_estimator
         self.partition_method = partition_method
-        self.attention_weight = attention_weight
+        self.cost_model = cost_model or CostModel()
+        self.calibrator = CostCalibrator() if calibrate_cost_model else None
         self.shuffle = shuffle
         self.seed = seed
         self.max_steps_per_epoch = max_steps_per_epoch
@@ -284,13 +291,17 @@ class RolloutDataModule(L.LightningDataModule):
         self._pending.clear()
         rank, world_size = self.rank, self.world_size
         steps = itertools.islice(self._step_rollouts(epoch), self.max_steps_per_epoch)
+        if not self._source_resumes_itself:  # read the epoch again from its start, skipping the trained steps
+            steps = itertools.islice(steps, start, None)
         end = start
         estimator = self.advantage_estimator if self.source is not None else None  # a file's are estimated
-        for position, (label, rollouts) in enumerate(itertools.islice(steps, start, None), start=start):
+        for position, (label, rollouts) in enumerate(steps, start=start):
             with _located(label):
                 batch = make_step_batch(rollouts, rank, world_size, advantage_estimator=estimator,
-                                        partition_method=self.partition_method,
-                                        attention_weight=self.attention_weight)
+                                        partition_method=self.partition_method, cost_model=self.cost_model)
+                prepare = getattr(self.source, "prepare_batch", None)
+                if callable(prepare):  # e.g. the online source's log-probs on this rank's share only
+                    prepare(batch)
             end = position + 1
             if self.trainer is None:
                 self._trained = end  # standalone: handed out = trained
@@ -306,6 +317,22 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _update_finished(self) -> None:
         self._finished = self._epoch_end is not None and self._trained >= self._epoch_end
+
+    @property
+    def _source_resumes_itself(self) -> bool:
+        """A source with its own state (the online source) continues where it stopped: nothing to skip, and nothing
+        generated again just to be skipped."""
+        return callable(getattr(self.source, "load_state_dict", None))
+
+    def observe_step(self, batch: StepBatch, rank_seconds: Sequence[float]) -> None:
+        """Every rank's measured DFS seconds for ``batch`` (the same numbers on every rank): with
+        ``calibrate_cost_model`` the cost model is refitted, and the next steps are partitioned with it."""
+        if self.calibrator is None or not batch.rank_features:
+            return
+        self.calibrator.observe(batch.rank_features, rank_seconds)
+        fitted = self.calibrator.fit()
+        if fitted is not None:
+            self.cost_model = fitted
 
     # ------------------------------------------------------------------ Lightning hooks
 
@@ -329,8 +356,12 @@ class RolloutDataModule(L.LightningDataModule):
     @override
     def state_dict(self) -> dict[str, Any]:
         """The epoch and the number of its steps already trained (Lightning stores it in checkpoints)."""
-        return {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
-                "steps_per_epoch": self.steps_per_epoch, "seed": self.seed}
+        state = {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
+                 "steps_per_epoch": self.steps_per_epoch, "seed": self.seed,
+                 "cost_model": dataclasses.asdict(self.cost_model)}
+        if self._source_resumes_itself:
+            state["source"] = self.source.state_dict()
+        return state
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,3 +375,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._trained = int(state_dict["trained_steps"])
         self._finished = bool(state_dict["epoch_finished"])
         self._pending.clear()
+        if "cost_model" in state_dict:
+            self.cost_model = CostModel(**state_dict["cost_model"])
+        if self._source_resumes_itself and "source" in state_dict:
+            self.source.load_state_dict(state_dict["source"])

@@ -28,6 +28,32 @@ def world_size(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_world_size(group)
 
 
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank (0 when ``torch.distributed`` is not initialised)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(group)
+
+
+def all_gather_objects(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (picklable), index = rank; ``[obj]`` on one process."""
+    n = world_size(group)
+    if n == 1:
+        return [obj]
+    out: list = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: object, src: int = 0, group: dist.ProcessGroup | None = None) -> object:
+    """Rank ``src``'s ``obj`` on every rank (the others pass anything, e.g. ``None``)."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def collective_device(tensor_or_module: torch.Tensor | nn.Module) -> torch.device:
     """Where small collective tensors must live: NCCL only reduces CUDA tensors, gloo reduces CPU ones."""
     device = tensor_or_module.device if isinstance(tensor_or_module, torch.Tensor) else \
@@ -35,6 +61,12 @@ def collective_device(tensor_or_module: torch.Tensor | nn.Module) -> torch.devic
     if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl" and device.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so that wall-clock time covers it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def all_reduce_sum(values: Sequence[float], device: torch.device | str = "cpu",

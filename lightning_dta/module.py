@@ -157,6 +157,9 @@ class DTAModule(DFSStepMixin, LightningModule):
         if scheduler is not None:
             scheduler.step()
         self.log_step(out, batch, lr)
+        observe = getattr(getattr(self.trainer, "datamodule", None), "observe_step", None)
+        if callable(observe) and isinstance(batch, StepBatch):  # the partition's cost model learns from the times
+            observe(batch, out.rank_seconds)
         return torch.tensor(out.loss)
 
     def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None, lr: float) -> None:
@@ -167,6 +170,10 @@ class DTAModule(DFSStepMixin, LightningModule):
         metrics["train/grad_norm"] = out.grad_norm or 0.0
         metrics["train/lr"] = lr
         if isinstance(batch, StepBatch):
-            metrics["train/rank_cost_imbalance"] = batch.imbalance
+            metrics["train/rank_cost_imbalance"] = batch.imbalance  # predicted by the partition's cost model
+        if out.rank_seconds:
+            slowest, mean = max(out.rank_seconds), sum(out.rank_seconds) / len(out.rank_seconds)
+            metrics["train/dfs_sec_max"] = slowest
+            metrics["train/rank_time_imbalance"] = slowest / mean if mean > 0 else 1.0  # measured
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         self.log("loss", out.loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=1, logger=False)

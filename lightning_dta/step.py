@@ -21,6 +21,7 @@ clipping) to inspect gradients.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_dta.batch import StepBatch
-from lightning_dta.distributed import DEFAULT_BUCKET_MB, all_reduce_sum, collective_device, sum_gradients
+from lightning_dta.distributed import (
+    DEFAULT_BUCKET_MB,
+    all_gather_floats,
+    all_reduce_sum,
+    collective_device,
+    sum_gradients,
+    synchronize,
+)
 from lightning_dta.engine import EngineOptions, TreeBackwardOutput, tree_backward, tree_loss_normalizer
 from lightning_dta.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
 from lightning_dta.tree import PrefixTree
@@ -47,14 +55,16 @@ class StepOutput:
     ``metrics`` has the step loss, the loss metrics (clip fraction, approx KL, entropy, ...), and the token
     counts: ``logical_tokens`` (every rollout counted in full), ``tree_tokens`` (shared tokens once per rank's
     tree) and their ratio ``compression_ratio``. ``local`` is this rank's own engine output (``None`` when the
-    rank had no tree). ``grad_norm`` is the total norm of the summed gradient before clipping (set by
-    :func:`dfs_training_step`).
+    rank had no tree). ``rank_seconds`` is every rank's DFS time (the engine alone, without collectives), index =
+    rank: the measured load balance. ``grad_norm`` is the total norm of the summed gradient before clipping (set
+    by :func:`dfs_training_step`).
     """
 
     loss: float
     metrics: dict[str, float]
     normalizer: float
     local: TreeBackwardOutput | None = field(default=None, repr=False)
+    rank_seconds: list[float] = field(default_factory=list)
     grad_norm: float | None = None
 
 
@@ -90,18 +100,25 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Polic
     device = collective_device(model)
     normalizer = step_normalizer(tree, loss_fn, device)
     local = None
+    seconds = 0.0
     if tree is not None and tree.stats.num_rollouts > 0:
+        synchronize(device)
+        start = time.perf_counter()
         local = tree_backward(model, tree, loss_fn, engine=engine, normalizer=normalizer)
+        synchronize(device)
+        seconds = time.perf_counter() - start
     values = [0.0] * (1 + len(METRIC_SUMS) + len(_COUNTS))
     if local is not None:
         values = [local.loss] + [local.sums.get(k, 0.0) for k in METRIC_SUMS] + \
             [float(getattr(local.stats, k)) for k in _COUNTS]
-    values = all_reduce_sum(values, device)
+    ranks = all_gather_floats([*values, seconds], device)  # one collective: the sums and every rank's time
     sum_gradients(model.parameters(), bucket_mb=bucket_mb)
+    values = [sum(rank[i] for rank in ranks) for i in range(len(values))]  # the same order on every rank
     loss, sums, counts = values[0], dict(zip(METRIC_SUMS, values[1:])), dict(zip(_COUNTS, values[-len(_COUNTS):]))
     metrics = {"loss": loss, **metrics_from_sums(sums), **counts,
                "compression_ratio": counts["logical_tokens"] / max(counts["tree_tokens"], 1.0)}
-    return StepOutput(loss=loss, metrics=metrics, normalizer=normalizer, local=local)
+    return StepOutput(loss=loss, metrics=metrics, normalizer=normalizer, local=local,
+                      rank_seconds=[rank[-1] for rank in ranks])
 
 
 def gradient_norm(parameters: Iterable[nn.Parameter]) -> float:

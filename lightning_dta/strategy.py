@@ -10,7 +10,9 @@ unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) reli
 - a process group (gloo on CPU, NCCL on GPU) for the step's collectives: the loss-normaliser all-reduce
   before the DFS and one flattened SUM of the gradients after it (``bucket_mb`` per bucket);
 - the usual DDP launchers, ranks, ``barrier``/``broadcast``/``reduce`` for logging and checkpointing, which it
-  inherits from Lightning's ``DDPStrategy``.
+  inherits from Lightning's ``DDPStrategy``;
+- a failure on one rank stops every rank within seconds, with that rank's error printed on all of them
+  (:mod:`lightning_dta.faults`), instead of the others waiting for the collective timeout.
 
 On a single device no process group is created at all and every collective is a no-op, so ``devices=1`` runs
 the same code. Lightning finds no third-party strategy by itself, so ``import lightning_dta`` registers the
@@ -21,6 +23,7 @@ processes, as ``"ddp_notebook"``; for notebooks, CPU or before CUDA is initialis
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -38,6 +41,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dta.distributed import DEFAULT_BUCKET_MB, broadcast_module
+from lightning_dta.faults import FailureBroadcast
 
 
 class DTAStrategy(DDPStrategy):
@@ -66,6 +70,7 @@ class DTAStrategy(DDPStrategy):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb = float(bucket_mb)
+        self._failures: FailureBroadcast | None = None
 
     @property
     def _single_process(self) -> bool:
@@ -89,6 +94,30 @@ class DTAStrategy(DDPStrategy):
             self.set_world_ranks()
             return
         super().setup_distributed()
+        self._failures = FailureBroadcast.for_default_group()
+        if self._failures is not None:
+            self._failures.start()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks (they stop within seconds); if another rank failed first, print its error here."""
+        if self._failures is not None:
+            try:
+                first = self._failures.failure_of_another_rank()
+            except Exception:  # noqa: BLE001 (the store is gone with rank 0)
+                first = None
+            if first is not None and not self._failures.announced:
+                print(f"[rank{self.global_rank}] lightning_dta: rank {first[0]} failed first:\n{first[1]}",
+                      file=sys.stderr, flush=True)
+            self._failures.report(exception)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        if self._failures is not None:
+            self._failures.stop()
+            self._failures = None
+        super().teardown()
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from lightning_dta.bench.workloads import GRPOWorkload, LongSequenceWorkload
-from lightning_dta.callbacks.throughput import synchronize
+from lightning_dta.distributed import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss

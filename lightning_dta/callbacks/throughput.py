@@ -13,18 +13,11 @@ import time
 from collections import deque
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_dta.distributed import all_gather_floats
+from lightning_dta.distributed import all_gather_floats, synchronize
 from lightning_dta.step import batch_tree
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work so that wall-clock time covers it (no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class TreeThroughputMonitor(Callback):

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from lightning_dta.batch import StepBatch
+from lightning_dta.distributed import all_gather_floats, broadcast_module
 from lightning_dta.rl.plot import save_reward_plot
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.warmup import WarmStartResult, sft_warm_start
@@ -37,7 +39,9 @@ class OnlineRLCallback(Callback):
     the environment reports ``correct``), ``rollout/response_tokens_mean`` (generated tokens per episode),
     ``rollout/calls_per_episode``, ``rollout/compression_ratio`` (logical / tree tokens of the step's whole tree),
     ``time/generation_sec``, ``time/wait_sec`` (the trainer waiting for the step), ``time/prepare_sec``
-    (advantages, prox/ref log-probs), ``time/train_sec``, ``time/step_sec`` (end to end),
+    (advantages, prox/ref log-probs), ``time/train_sec``, ``time/weight_sync_sec`` (the refresh after the optimizer
+    step), ``time/step_sec`` (end to end) - each the slowest rank's, with ``time/generation_sec_mean`` and
+    ``rl/slowest_generation_rank`` / ``rl/slowest_train_rank`` beside them,
     ``rl/logical_tokens_per_sec`` (end to end), ``rl/policy_version`` and ``rl/staleness``. The progress bar shows
     ``reward``.
 
@@ -84,10 +88,6 @@ class OnlineRLCallback(Callback):
             raise TypeError("OnlineRLCallback needs a RolloutDataModule whose source is an OnlineRolloutSource: "
                             "trainer.fit(module, datamodule=RolloutDataModule(source=OnlineRolloutSource(...))); got "
                             f"{type(datamodule).__name__} with source {type(source).__name__}")
-        if trainer.world_size > 1:
-            raise RuntimeError(f"online rollouts run on one process for now (world_size={trainer.world_size}): each "
-                               "rank would generate its own, different step. Fix: Trainer(devices=1), or generate "
-                               "rollouts to a JSONL file and train on several ranks from the file")
         if source.advantage_estimator is not None and getattr(datamodule, "advantage_estimator", None) is not None:
             raise ValueError(f"advantages would be estimated twice: by the source ({source.advantage_estimator!r}, "
                              f"per episode) and by the data module ({datamodule.advantage_estimator!r}, per call, "
@@ -109,6 +109,7 @@ class OnlineRLCallback(Callback):
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,
                                              add_bos=source.add_bos, engine=engine)
+            broadcast_module(policy)  # every rank ran the same warm start; rank 0's weights are the run's
             self._print(trainer, f"SFT warm start: {self.warm_start.steps} steps in {self.warm_start.seconds:.1f}s, "
                                  f"demonstration NLL {self.warm_start.nll_before:.3f} -> "
                                  f"{self.warm_start.nll_after:.3f} per token")
@@ -134,7 +135,8 @@ class OnlineRLCallback(Callback):
             raise RuntimeError(f"the trained step has {batch.step_stats.logical_tokens} logical tokens but the "
                                f"source's last step has {info.logical_tokens}: the metrics would describe another "
                                "step (was a step prefetched?)")
-        metrics = self._metrics(info, train_sec, now - info.requested_at)
+        metrics = self._metrics(info, train_sec, now - info.requested_at, self.source.last_weight_sync_sec,
+                                trainer.strategy.root_device)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("reward", info.reward_mean, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                       batch_size=1)
@@ -152,9 +154,10 @@ class OnlineRLCallback(Callback):
         last = statistics.fmean(h["rollout/reward_mean"] for h in self.history[-window:])
         message = (f"reward: first {window} steps {first:.3f} -> last {window} steps {last:.3f} "
                    f"({len(self.history)} steps)")
+        log_dir = trainer.log_dir  # a collective (a broadcast from rank 0): every rank asks
         if self.reward_plot and trainer.is_global_zero:
             try:
-                path = Path(trainer.log_dir or ".") / self.reward_plot  # an absolute reward_plot stays as is
+                path = Path(log_dir or ".") / self.reward_plot  # an absolute reward_plot stays as is
                 save_reward_plot([int(h["step"]) for h in self.history],
                                  [h["rollout/reward_mean"] for h in self.history],
                                  [h["rollout/reward_std"] for h in self.history], path)
@@ -178,19 +181,30 @@ class OnlineRLCallback(Callback):
             self.source = None
 
     @staticmethod
-    def _metrics(info: StepInfo, train_sec: float, step_sec: float) -> dict[str, float]:
+    def _metrics(info: StepInfo, train_sec: float, step_sec: float, weight_sync_sec: float,
+                 device: torch.device) -> dict[str, float]:
+        """The step's metrics, the same on every rank: the step's content is every rank's, and the times are the
+        slowest rank's (one all-gather; ``*_mean`` is the mean over ranks, ``slowest_*_rank`` which rank)."""
         episodes = len(info.rewards)
+        per_rank = [info.generation_sec, info.prepare_sec, train_sec, weight_sync_sec, step_sec]
+        ranks = all_gather_floats(per_rank, device)  # every rank calls this hook: no hang
+        slowest = [max(r[i] for r in ranks) for i in range(len(per_rank))]
+        generation_sec, prepare_sec, train_sec, weight_sync_sec, step_sec = slowest
         metrics = {
             "rollout/reward_mean": info.reward_mean,
             "rollout/reward_std": info.reward_std,
             "rollout/response_tokens_mean": statistics.fmean(info.response_tokens),
             "rollout/calls_per_episode": info.calls / episodes,
             "rollout/compression_ratio": info.compression_ratio,
-            "time/generation_sec": info.generation_sec,
+            "time/generation_sec": generation_sec,
+            "time/generation_sec_mean": statistics.fmean(r[0] for r in ranks),
             "time/wait_sec": info.wait_sec,
-            "time/prepare_sec": info.prepare_sec,
+            "time/prepare_sec": prepare_sec,
             "time/train_sec": train_sec,
+            "time/weight_sync_sec": weight_sync_sec,
             "time/step_sec": step_sec,
+            "rl/slowest_generation_rank": float(max(range(len(ranks)), key=lambda r: ranks[r][0])),
+            "rl/slowest_train_rank": float(max(range(len(ranks)), key=lambda r: ranks[r][2])),
             "rl/logical_tokens_per_sec": info.logical_tokens / max(step_sec, 1e-9),
             "rl/policy_version": float(info.policy_version),
             "rl/staleness": float(info.staleness),

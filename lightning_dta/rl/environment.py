@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.rl.generation import Completion, Generator
+from lightning_dta.rl.generation import Completion, Generator, derive_seed
 from lightning_dta.rollout import Rollout
 
 Observation = str | list[int]
@@ -161,7 +160,8 @@ def run_episodes(env: Environment, generator: Generator, tokenizer: PreTrainedTo
         tokenizer: encodes text observations and decodes actions.
         prompt_indices: the prompts of this step; ``reset(index)`` is called with each.
         samples_per_prompt: episodes per prompt (a GRPO group).
-        seed: the sampling seed of the step (each turn derives its own).
+        seed: the sampling seed of the step: call ``turn`` of sample ``s`` of prompt ``p`` samples with
+            ``derive_seed(seed, p, s, turn)``, whichever other episodes share its batch (or its process).
         add_bos: start every context with the tokenizer's BOS token (when it has one).
         max_context: the model's maximum positions; an episode whose next call could exceed it ends there
             (``finish="context_limit"``) with the return so far, instead of training on a truncated sequence.
@@ -183,7 +183,6 @@ def run_episodes(env: Environment, generator: Generator, tokenizer: PreTrainedTo
             running.append(_Running(index, sample, clone, context))
     finished: list[Episode] = []
     active = list(running)
-    rng = random.Random(seed)
     for turn in range(env.max_turns):
         if max_context is not None:
             for episode in [e for e in active if len(e.context) + generator.max_new_tokens > max_context]:
@@ -196,7 +195,8 @@ def run_episodes(env: Environment, generator: Generator, tokenizer: PreTrainedTo
                 active.remove(episode)
         if not active:
             break
-        completions = generator.generate([e.context for e in active], seed=rng.getrandbits(63))
+        completions = generator.generate([e.context for e in active],
+                                         seed=[derive_seed(seed, e.prompt_index, e.sample, turn) for e in active])
         if len(completions) != len(active):
             raise RuntimeError(f"{type(generator).__name__}.generate returned {len(completions)} completions for "
                                f"{len(active)} prompts")

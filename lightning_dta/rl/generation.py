@@ -9,10 +9,11 @@ that sampled, not a later recomputation.
 default. :class:`~lightning_dta.rl.server.OpenAICompatibleGenerator` talks to a vLLM or SGLang server instead.
 
 Sampling is reproducible. ``generate`` draws from the sampling distribution with the Gumbel-max trick inside a
-logits processor that owns a seeded ``torch.Generator`` and lets ``generate`` pick the argmax: exactly a sample
-from the (temperature / top-k / top-p) distribution, but independent of the global RNG, so a background
-generation thread and the trainer never disturb each other's random streams, and a seed gives the same
-completions in synchronous and asynchronous mode.
+logits processor that owns one seeded ``torch.Generator`` per prompt and lets ``generate`` pick the argmax:
+exactly a sample from the (temperature / top-k / top-p) distribution, but independent of the global RNG (a
+background generation thread and the trainer never disturb each other's random streams) and of the other
+prompts in the batch. Each prompt's noise depends only on its own seed, so the same prompts and seeds give the
+same completions however they are batched: in synchronous and asynchronous mode, on one rank or on eight.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -55,6 +57,7 @@ class Generator(ABC):
     """
 
     max_new_tokens: int
+    placement: str = "colocated"  # the online source's default: every rank generates with its own instance
 
     @abstractmethod
     def attach(self, policy: nn.Module, *, eos_token_id: int | None, pad_token_id: int | None,
@@ -64,27 +67,45 @@ class Generator(ABC):
         :meth:`update_weights` changes (asynchronous mode, training runs while this generator samples)."""
 
     @abstractmethod
-    def generate(self, prompts: Sequence[Sequence[int]], seed: int) -> list[Completion]:
-        """One completion per prompt, in order. ``seed`` makes the sampling reproducible."""
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:
+        """One completion per prompt, in order. ``seed``: one sampling seed per prompt (a completion must depend
+        on its prompt and its seed only, not on the batch), or one int from which :func:`row_seeds` derives them."""
 
     @abstractmethod
     def update_weights(self, policy: nn.Module, version: int) -> None:
         """Make the next generations use ``policy``'s current weights, tagged ``version``."""
 
 
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed from any parts (step, prompt, sample, turn, ...): the same on every process and machine."""
+    return random.Random(":".join(map(str, parts))).getrandbits(63)
+
+
+def row_seeds(seed: int | Sequence[int], rows: int) -> list[int]:
+    """One sampling seed per prompt: the given ones, or derived from one batch seed and the prompt's position."""
+    if isinstance(seed, int):
+        return [derive_seed("row", seed, row) for row in range(rows)]
+    seeds = [int(s) for s in seed]
+    if len(seeds) != rows:
+        raise ValueError(f"got {len(seeds)} seeds for {rows} prompts; give one seed per prompt (or one int)")
+    return seeds
+
+
 class GumbelSampler(LogitsProcessor):
-    """Turn greedy decoding into exact sampling: add Gumbel noise from a private, seeded ``torch.Generator``.
+    """Turn greedy decoding into exact sampling: add Gumbel noise from a private, seeded ``torch.Generator`` per
+    batch row, so a row's samples do not depend on the other rows.
 
     ``argmax(scores + Gumbel)`` is a sample from ``softmax(scores)`` (the Gumbel-max trick); tokens the warpers
     filtered out stay at ``-inf``.
     """
 
-    def __init__(self, generator: torch.Generator) -> None:
-        self.generator = generator
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.generators = generators
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        exponential = torch.empty(scores.shape, dtype=torch.float32, device=self.generator.device)
-        exponential.exponential_(generator=self.generator)
+        vocab = scores.shape[-1]
+        exponential = torch.stack([torch.empty(vocab, dtype=torch.float32, device=g.device).exponential_(generator=g)
+                                   for g in self.generators])
         return scores - exponential.to(scores.device, scores.dtype).log()  # -log(Exp(1)) is Gumbel(0, 1)
 
 
@@ -180,7 +201,7 @@ class HFGenerator(Generator):
                     tensor.copy_(theirs[name])
         self.version = version
 
-    def _processors(self, generator: torch.Generator) -> LogitsProcessorList:
+    def _processors(self, generators: list[torch.Generator]) -> LogitsProcessorList:
         processors = LogitsProcessorList()
         if self.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(self.temperature))
@@ -188,10 +209,10 @@ class HFGenerator(Generator):
             processors.append(TopKLogitsWarper(self.top_k))
         if self.top_p < 1.0:
             processors.append(TopPLogitsWarper(self.top_p))
-        processors.append(GumbelSampler(generator))
+        processors.append(GumbelSampler(generators))
         return processors
 
-    def generate(self, prompts: Sequence[Sequence[int]], seed: int) -> list[Completion]:
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:
         if self.model is None:
             raise RuntimeError("HFGenerator.generate before attach(): call attach(policy, ...) first (the "
                                "OnlineRLCallback does it when training starts)")
@@ -200,13 +221,15 @@ class HFGenerator(Generator):
                 raise ValueError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
                                  "(start prompts with a BOS token)")
         device = next(self.model.parameters()).device
-        generator = torch.Generator(device=device if device.type == "cuda" else "cpu").manual_seed(seed)
+        noise_device = device if device.type == "cuda" else torch.device("cpu")
+        generators = [torch.Generator(device=noise_device).manual_seed(s) for s in row_seeds(seed, len(prompts))]
         completions: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
-            completions += self._generate_batch(prompts[start:start + self.batch_size], generator, device)
+            end = start + self.batch_size
+            completions += self._generate_batch(prompts[start:end], generators[start:end], device)
         return completions
 
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], generator: torch.Generator,
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], generators: list[torch.Generator],
                         device: torch.device) -> list[Completion]:
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
@@ -220,7 +243,7 @@ class HFGenerator(Generator):
                                   return_dict_in_generate=True, output_logits=True)
         with torch.no_grad(), eval_mode(self.model):
             out = self.model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                                      generation_config=config, logits_processor=self._processors(generator))
+                                      generation_config=config, logits_processor=self._processors(generators))
         new_tokens = out.sequences[:, width:].cpu()
         # out.logits: one [rows, vocab] tensor per step, before any warper; score each step on its own so that no
         # [rows, steps, vocab] copy is made (with a 150K vocabulary that would be gigabytes)

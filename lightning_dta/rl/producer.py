@@ -1,12 +1,16 @@
 """The background generation thread of asynchronous RL, and its hand-over to the training thread.
 
-:class:`AsyncProducer` runs ``generate(index, version)`` for step after step in a daemon thread. Step ``i``
-(counted from :meth:`AsyncProducer.start`) starts only once the policy version is at least
-``base_version + i - max_staleness``; at most ``max_staleness + 1`` generated steps wait in the queue. The
-training thread publishes versions (:meth:`~AsyncProducer.set_version`) and takes steps in order
-(:meth:`~AsyncProducer.take`); a failure of the thread, or a loop that stopped publishing versions, raises
-there with the cause. ``generation_lock`` is held during each generation, so that a weight copy never mixes
-two versions into one generation.
+:class:`AsyncProducer` runs ``generate(index, version)`` for step after step in a daemon thread, pinned to
+versions: step ``first + k`` is generated with the weights of exactly ``base + max(0, k - max_staleness)``
+(counted from :meth:`AsyncProducer.start`). Pinning makes the version of every step a function of its index
+only, so every rank of a run agrees on it (and a rerun repeats it), and the bound holds by construction: a step
+is trained at most ``max_staleness`` optimizer steps after the weights that generated it.
+
+The training thread publishes each new version with :meth:`~AsyncProducer.publish`: it waits until every step
+that needs the weights loaded now has been generated, then runs ``load`` (copy the weights into the generator)
+and lets the thread go on. With ``max_staleness=1`` that wait is for the step the trainer trains next, which it
+waits for anyway. Steps are taken in order with :meth:`~AsyncProducer.take`; a failure of the thread, or a loop
+that stopped publishing versions, raises there with the cause.
 """
 
 from __future__ import annotations
@@ -31,21 +35,24 @@ class Generated:
 
 
 class AsyncProducer:
-    """Generate steps ahead of training within a staleness bound (module docstring)."""
+    """Generate steps ahead of training within a staleness bound, each with its pinned version."""
 
     def __init__(self, generate: Callable[[int, int], Generated], max_staleness: int) -> None:
         self.generate = generate
         self.max_staleness = max_staleness
-        self.generation_lock = threading.Lock()
         self._condition = threading.Condition()
         self._queue: queue.Queue[Generated] = queue.Queue(maxsize=max_staleness + 1)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._waiting_for: int | None = None  # the version the thread waits for (None: not waiting)
-        self._version = 0
-        self._base_version = 0
-        self._first_index = 0
+        self._loaded = 0  # the version of the weights the generator holds
+        self._base = 0
+        self._first = 0
+        self._generated = 0  # steps generated since start (the thread works on step first + generated)
+
+    def version_of(self, index: int) -> int:
+        """The pinned version of step ``index``."""
+        return self._base + max(0, index - self._first - self.max_staleness)
 
     @property
     def steps_ahead(self) -> int:
@@ -57,16 +64,26 @@ class AsyncProducer:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self, first_index: int, version: int) -> None:
-        """Start generating at step ``first_index`` with the weights of ``version``."""
-        self._first_index, self._base_version, self._version = first_index, version, version
+        """Start generating at step ``first_index`` with the weights of ``version`` (loaded in the generator)."""
+        self._first, self._base, self._loaded, self._generated = first_index, version, version, 0
         self._thread = threading.Thread(target=self._run, name="lightning-dta-rollouts", daemon=True)
         self._thread.start()
 
-    def set_version(self, version: int) -> None:
-        """The policy is now at ``version``: let the thread start the steps it allows."""
+    def publish(self, version: int, load: Callable[[], None]) -> None:
+        """The policy is at ``version``: once the steps that need the loaded weights are generated, ``load()`` the
+        new ones (with the thread idle) and let the thread start the steps that need them."""
         with self._condition:
-            self._version = version
+            while not self._stop.is_set() and self._error is None and self._pending_on_loaded():
+                self._condition.wait(POLL_SEC)
+            if self._error is not None:
+                raise RuntimeError(f"the rollout generation thread failed: {self._error}") from self._error
+            load()
+            self._loaded = version
             self._condition.notify_all()
+
+    def _pending_on_loaded(self) -> bool:
+        """Whether the thread still has to generate a step pinned to the loaded version (or an older one)."""
+        return self.version_of(self._first + self._generated) <= self._loaded and self.alive
 
     def stop(self, timeout: float = 60.0) -> int:
         """Stop the thread and wait for it; returns the number of generated steps never taken."""
@@ -90,39 +107,40 @@ class AsyncProducer:
             except queue.Empty:
                 pass
             with self._condition:
-                waiting_for = self._waiting_for
-                stalled = waiting_for is not None and self._queue.empty() and self._error is None
-                if stalled and self._version < waiting_for:
+                needed = self.version_of(self._first + self._generated)
+                if self._queue.empty() and needed > self._loaded and self._error is None:
                     raise RuntimeError(
                         f"the trainer wants step {index} but the generation thread waits for policy version "
-                        f"{waiting_for} and the policy is at version {self._version}: update_policy() is not "
-                        "being called after each optimizer step. With Lightning add "
-                        "lightning_dta.rl.OnlineRLCallback to the Trainer's callbacks; in a plain loop call "
-                        "source.update_policy(model, version) after every optimizer.step()")
+                        f"{needed} and the policy is at version {self._loaded}: update_policy() is not being called "
+                        "after each optimizer step. With Lightning add lightning_dta.rl.OnlineRLCallback to the "
+                        "Trainer's callbacks; in a plain loop call source.update_policy(model, version) after every "
+                        "optimizer.step()")
             if not self.alive and self._error is None:
                 raise RuntimeError("the rollout generation thread has stopped (was the source closed?)")
 
     def _run(self) -> None:
-        """Generate step after step, each once the policy version allows it, until stopped."""
+        """Generate step after step, each once its pinned version is loaded, until stopped."""
         try:
-            index = self._first_index
             while not self._stop.is_set():
-                needed = self._base_version + (index - self._first_index) - self.max_staleness
+                index = self._first + self._generated
                 with self._condition:
-                    while self._version < needed and not self._stop.is_set():
-                        self._waiting_for = needed
+                    while self.version_of(index) > self._loaded and not self._stop.is_set():
                         self._condition.wait(POLL_SEC)
-                    self._waiting_for = None
-                if self._stop.is_set():
-                    return
-                with self.generation_lock:
-                    generated = self.generate(index, self._version)
+                    if self._stop.is_set():
+                        return
+                    version = self._loaded
+                # Generation runs outside the lock; publish() waits for it (the weights stay as they are).
+                generated = self.generate(index, version)
+                with self._condition:
+                    self._generated += 1
+                    self._condition.notify_all()
                 while not self._stop.is_set():
                     try:
                         self._queue.put(generated, timeout=POLL_SEC)
                         break
                     except queue.Full:
                         continue
-                index += 1
-        except BaseException as error:  # handed to the training thread by take()
+        except BaseException as error:  # handed to the training thread by take() and publish()
             self._error = error
+            with self._condition:
+                self._condition.notify_all()

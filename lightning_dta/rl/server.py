@@ -4,11 +4,13 @@ On GPUs the usual set-up runs generation in a dedicated server and training in t
 token-id prompts to the OpenAI-compatible ``/v1/completions`` endpoint and reads back token ids and the
 log-prob of each sampled token:
 
-- request: ``prompt`` as a list of token-id lists (one completion per prompt, ``n=1``), ``max_tokens``,
-  ``temperature``, ``top_p``, ``top_k`` (a vLLM/SGLang extension, sent only when > 0), ``seed``, ``logprobs=1``
-  (the sampled token's log-prob is always included), ``stop_token_ids``, ``skip_special_tokens=false``, and the
-  vLLM flags ``return_token_ids`` / ``return_tokens_as_token_ids`` so token ids come back exactly, never
-  re-tokenized from text.
+- request: one per prompt, because the server seeds each request and two identical prompts (the samples of a GRPO
+  group) sent with one seed would come back identical. Each has ``prompt`` (token ids, ``n=1``), the prompt's own
+  ``seed``, ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` (a vLLM/SGLang extension, sent only when > 0),
+  ``logprobs=1`` (the sampled token's log-prob is always included), ``stop_token_ids``,
+  ``skip_special_tokens=false``, and the vLLM flags ``return_token_ids`` / ``return_tokens_as_token_ids`` so token
+  ids come back exactly, never re-tokenized from text. Up to ``max_concurrent_requests`` are in flight at once
+  (the server batches them: continuous batching).
 - response: ``choices[i].index`` (the prompt), ``choices[i].token_ids`` when the server returns them, otherwise
   ``choices[i].logprobs.tokens`` in vLLM's ``"token_id:123"`` form; ``choices[i].logprobs.token_logprobs``; and
   ``finish_reason``. A response that gives tokens only as text is refused: re-tokenizing text can produce other
@@ -16,6 +18,10 @@ log-prob of each sampled token:
 
 Log-probs: vLLM reports the model's raw log-probs by default (``logprobs_mode`` ``raw_logprobs``), i.e. before
 temperature and filters, which is what the training loss compares against; keep that setting.
+
+Faults: a request that fails with a connection error, a timeout, HTTP 429 or 5xx is retried ``max_retries`` times
+with exponential backoff (``retry_backoff_sec``, doubling); then generation stops with the server's own message.
+Other HTTP errors (a bad request) are not retried.
 
 Weights: after each optimizer step the server must serve the new weights. ``weight_sync="sglang-disk"`` saves
 the policy with ``save_pretrained`` under ``weight_dir`` and asks SGLang to reload it
@@ -26,15 +32,17 @@ endpoints, NCCL broadcast, a shared file system) plugs in as a callable ``weight
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from lightning_dta.rl.generation import Completion, Generator, cut_at_stop
+from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
 
 WeightSync = Callable[[nn.Module, int], None]
 
@@ -56,17 +64,23 @@ class OpenAICompatibleGenerator(Generator):
         weight_dir: where ``"sglang-disk"`` writes each version (a directory the server can read).
         timeout: seconds per HTTP request.
         api_key: sent as a bearer token when given.
-        max_prompts_per_request: prompts per HTTP request.
+        max_concurrent_requests: requests (one per prompt) in flight at once.
+        max_retries, retry_backoff_sec: retries of a failed request (connection, timeout, HTTP 429/5xx) and the
+            first wait between them (doubling); then the run stops with the server's message.
         extra_body: more request fields (e.g. ``{"repetition_penalty": 1.0}``).
     """
+
+    placement = "disaggregated"  # the online source's default: rank 0 talks to the server and broadcasts
 
     def __init__(self, base_url: str, model: str, max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
                  weight_sync: str | WeightSync | None = None, weight_dir: str | None = None, timeout: float = 600.0,
-                 api_key: str | None = None, max_prompts_per_request: int = 256,
-                 extra_body: dict[str, Any] | None = None) -> None:
-        if max_new_tokens < 1 or max_prompts_per_request < 1:
-            raise ValueError("max_new_tokens and max_prompts_per_request must be >= 1")
+                 api_key: str | None = None, max_concurrent_requests: int = 64, max_retries: int = 3,
+                 retry_backoff_sec: float = 1.0, extra_body: dict[str, Any] | None = None) -> None:
+        if max_new_tokens < 1 or max_concurrent_requests < 1:
+            raise ValueError("max_new_tokens and max_concurrent_requests must be >= 1")
+        if max_retries < 0 or retry_backoff_sec < 0:
+            raise ValueError("max_retries and retry_backoff_sec must be >= 0")
         if isinstance(weight_sync, str) and weight_sync not in ("sglang-disk", "none"):
             raise ValueError(f"weight_sync={weight_sync!r}; use 'sglang-disk', 'none' or a callable(model, version)")
         if weight_sync == "sglang-disk" and not weight_dir:
@@ -78,7 +92,8 @@ class OpenAICompatibleGenerator(Generator):
         self.extra_stop_ids = list(stop_token_ids or [])
         self.weight_sync, self.weight_dir = weight_sync, weight_dir
         self.timeout, self.api_key = timeout, api_key
-        self.max_prompts_per_request = max_prompts_per_request
+        self.max_concurrent_requests = max_concurrent_requests
+        self.max_retries, self.retry_backoff_sec = max_retries, retry_backoff_sec
         self.extra_body = dict(extra_body or {})
         self.stop_ids: list[int] = list(self.extra_stop_ids)
         self.version = 0
@@ -108,16 +123,15 @@ class OpenAICompatibleGenerator(Generator):
                                   f"{reply.get('message', reply)}")
         self.version = version
 
-    def generate(self, prompts: Sequence[Sequence[int]], seed: int) -> list[Completion]:
-        completions: list[Completion] = []
-        for start in range(0, len(prompts), self.max_prompts_per_request):
-            chunk = [list(p) for p in prompts[start:start + self.max_prompts_per_request]]
-            completions += self._complete(chunk, seed + start)
-        return completions
+    def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:
+        seeds = row_seeds(seed, len(prompts))
+        workers = min(self.max_concurrent_requests, max(len(prompts), 1))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="lightning-dta-request") as pool:
+            return list(pool.map(self._complete, [list(p) for p in prompts], seeds, range(len(prompts))))
 
-    def request_body(self, prompts: list[list[int]], seed: int) -> dict[str, Any]:
+    def request_body(self, prompt: list[int], seed: int) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model_name, "prompt": prompts, "n": 1, "max_tokens": self.max_new_tokens,
+            "model": self.model_name, "prompt": prompt, "n": 1, "max_tokens": self.max_new_tokens,
             "temperature": self.temperature, "top_p": self.top_p, "seed": seed % 2**31, "logprobs": 1,
             "stop_token_ids": self.stop_ids, "skip_special_tokens": False, "return_token_ids": True,
             "return_tokens_as_token_ids": True,
@@ -126,14 +140,13 @@ class OpenAICompatibleGenerator(Generator):
             body["top_k"] = self.top_k
         return body | self.extra_body
 
-    def _complete(self, prompts: list[list[int]], seed: int) -> list[Completion]:
-        reply = self._post("/v1/completions", self.request_body(prompts, seed))
+    def _complete(self, prompt: list[int], seed: int, number: int) -> Completion:
+        reply = self._post("/v1/completions", self.request_body(prompt, seed))
         choices = reply.get("choices") if isinstance(reply, dict) else None
-        if not isinstance(choices, list) or len(choices) != len(prompts):
+        if not isinstance(choices, list) or len(choices) != 1:
             raise ServerError(f"/v1/completions returned {len(choices) if isinstance(choices, list) else 'no'} "
-                              f"choices for {len(prompts)} prompts; the server must answer each prompt once (n=1)")
-        by_prompt = sorted(choices, key=lambda c: c.get("index", 0))
-        return [self._parse_choice(choice, number) for number, choice in enumerate(by_prompt)]
+                              "choices for one prompt; the server must answer it once (n=1)")
+        return self._parse_choice(choices[0], number)
 
     def _parse_choice(self, choice: dict[str, Any], number: int) -> Completion:
         logprobs = choice.get("logprobs") or {}
@@ -162,19 +175,41 @@ class OpenAICompatibleGenerator(Generator):
         return completion
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
+        """POST ``body`` as JSON, retrying transient failures with exponential backoff (module docstring)."""
+        for attempt in range(self.max_retries + 1):
+            try:
+                return self._post_once(path, body)
+            except _Transient as error:
+                if attempt == self.max_retries:
+                    raise ServerError(f"{error} (gave up after {attempt + 1} attempts; max_retries="
+                                      f"{self.max_retries})") from error.__cause__
+                time.sleep(self.retry_backoff_sec * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _post_once(self, path: str, body: dict[str, Any]) -> Any:
         data = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method="POST")
+        where = f"{self.base_url}{path}"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read().decode() or "null")
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]
-            raise ServerError(f"POST {self.base_url}{path} failed with HTTP {error.code}: {detail}") from error
+            message = f"POST {where} failed with HTTP {error.code}: {detail}"
+            if error.code == 429 or error.code >= 500:
+                raise _Transient(message) from error
+            raise ServerError(message) from error
         except urllib.error.URLError as error:
-            raise ServerError(f"cannot reach the inference server at {self.base_url}{path}: {error.reason}. Is it "
-                              "running, and is base_url right?") from error
+            raise _Transient(f"cannot reach the inference server at {where}: {error.reason}. Is it running, and is "
+                             "base_url right?") from error
+        except TimeoutError as error:
+            raise _Transient(f"POST {where} timed out after {self.timeout:.0f} s") from error
         except json.JSONDecodeError as error:
-            raise ServerError(f"POST {self.base_url}{path} did not answer with JSON ({error})") from error
+            raise _Transient(f"POST {where} did not answer with JSON ({error})") from error
+
+
+class _Transient(Exception):
+    """A failure worth retrying (connection, timeout, HTTP 429/5xx, a garbled answer)."""

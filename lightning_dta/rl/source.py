@@ -1,25 +1,40 @@
 """The online rollout source: generate with the current policy, score, estimate advantages, hand steps to training.
 
 ``OnlineRolloutSource`` plugs into :class:`~lightning_dta.data.RolloutDataModule` as its ``source``: calling it
-starts an epoch, an iterator of steps, each a list of :class:`~lightning_dta.Rollout`. A step is
+starts an epoch, an iterator of steps, each the whole step's list of :class:`~lightning_dta.Rollout`. A step is
 ``prompts_per_step`` prompts x ``samples_per_prompt`` episodes; every LLM call of every episode is one rollout
 (:mod:`lightning_dta.rl.environment`).
 
-Two modes:
+One step on N ranks (every rank runs this; ``docs/rl.md`` has the diagram):
+
+1. **generate**, by placement. ``"colocated"`` (the default for the in-process ``HFGenerator``, as verl's hybrid
+   engine): the step's prompts are cut into ``generation_blocks`` consecutive blocks; rank ``r`` generates blocks
+   ``r, r + N, ...`` with its own generator, and the blocks are all-gathered. ``"disaggregated"`` (the default for
+   an ``OpenAICompatibleGenerator``, as AReaL's system): rank 0 alone talks to the inference server and
+   broadcasts the step. Prompts come from the step index, and every call samples with a seed derived from
+   ``(seed, step, prompt, sample, turn)``, never from a rank: N ranks generate the rollouts one rank generates
+   (bitwise, when ``generation_blocks`` is fixed: every block is then the same computation on any rank);
+2. on every rank, the same deterministic pipeline: rewards -> advantages over the whole step (GRPO groups are
+   never split before their statistics are taken) -> the step's tree -> the data module's partition -> this
+   rank's tree;
+3. :meth:`prepare_batch`: decoupled-PPO proximal (and reference) log-probs with the forward-only tree walk, on the
+   rank that trains the rollouts only.
+
+Two rollout modes:
 
 - ``"sync"`` (default): a step is generated when the trainer asks for it, with the weights of the previous
   optimizer step; in-process generation shares the trainer's module. Strictly on-policy.
 - ``"async"``: a background thread generates steps ahead while the trainer trains, with a private copy of the
-  weights that :meth:`OnlineRolloutSource.update_policy` refreshes after each optimizer step. Step ``i`` (counted
-  from :meth:`~OnlineRolloutSource.attach`) is only started once the policy version is at least
-  ``i - max_staleness``, so a step is trained at most ``max_staleness`` optimizer steps after the weights that
-  generated it; the bound is checked again when the step is handed out. The loss is then decoupled PPO: the
-  rollouts keep the behaviour log-probs as ``old_logprobs`` and get ``prox_logprobs`` recomputed on the current
-  weights with the forward-only tree walk :func:`lightning_dta.tree_logprobs` (one forward per shared token).
+  weights that :meth:`update_policy` refreshes after each optimizer step. Step ``i`` (counted from
+  :meth:`attach`) is generated with the weights of version ``i - max_staleness`` exactly
+  (:mod:`lightning_dta.rl.producer`), so every rank agrees on the version of every step and the bound holds; the
+  loss is decoupled PPO (the rollouts keep the behaviour log-probs as ``old_logprobs`` and get
+  ``prox_logprobs`` recomputed on the current weights).
 
 The source has a length (``steps_per_epoch``), which matters: Lightning prefetches one batch ahead from a loader
 without a length, which would generate step ``k+1`` before step ``k`` is trained, i.e. silently one step off
-policy. With a length there is no prefetch and "sync" really is on-policy.
+policy. With a length there is no prefetch and "sync" really is on-policy. It also has a ``state_dict``: a run
+resumed from a checkpoint continues at the next step, with the prompts and seeds it would have used.
 
 Used with Lightning, :class:`~lightning_dta.rl.callback.OnlineRLCallback` calls :meth:`attach`,
 :meth:`update_policy` and :meth:`close`; in a plain loop call them yourself (see ``examples/online_rl.py``).
@@ -28,24 +43,26 @@ Used with Lightning, :class:`~lightning_dta.rl.callback.OnlineRLCallback` calls 
 from __future__ import annotations
 
 import copy
-import random
 import time
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_dta.advantages import check_advantage_estimator
+from lightning_dta.batch import StepBatch
+from lightning_dta.distributed import all_gather_objects, broadcast_object, rank, world_size
 from lightning_dta.engine import EngineOptions
 from lightning_dta.rl.environment import Environment, run_episodes
-from lightning_dta.rl.generation import Generator, HFGenerator
+from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, cap_importance_weight, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
 from lightning_dta.rollout import Rollout
 from lightning_dta.tree import PrefixTree
 
 RolloutMode = Literal["sync", "async"]
+Placement = Literal["colocated", "disaggregated"]
 
 
 class OnlineRolloutSource:
@@ -61,12 +78,19 @@ class OnlineRolloutSource:
         steps_per_epoch: the length of one epoch (the data module's epoch; training length is the Trainer's
             ``max_steps``).
         rollout_mode: ``"sync"`` or ``"async"``.
-        max_staleness: async only: the most optimizer steps between the weights that generate a step and the
-            weights that train on it (0 = generate each step with the latest weights, in the background).
+        max_staleness: async only: the optimizer steps between the weights that generate a step and the weights
+            that train on it (0 = generate each step with the latest weights, in the background).
+        placement: ``"colocated"`` (every rank generates its blocks) or ``"disaggregated"`` (rank 0 generates the
+            whole step, e.g. through a server, and broadcasts it); ``None``: the generator's own ``placement``.
+        generation_blocks: colocated: the step's prompts are cut into this many blocks of consecutive prompts,
+            one ``generate`` batch each, and rank ``r`` generates blocks ``r, r + N, ...``. ``None``: one block per
+            rank. A fixed number makes every block the same computation on any number of ranks, so runs on 1, 2
+            or 8 ranks generate bitwise the same rollouts; ``None`` keeps the sampling seeds but lets batch sizes,
+            hence float rounding, follow the number of ranks.
         advantage_estimator: ``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"`` or ``None``. Estimated per
-            *episode* (one reward per episode, its group = its prompt) and given to each of its calls, so an
-            episode with more calls does not weigh more in its group's baseline. Leave the data module's own
-            ``advantage_estimator`` unset (the callback refuses both).
+            *episode* (one reward per episode, its group = its prompt) over the whole step and given to each of its
+            calls, so an episode with more calls does not weigh more in its group's baseline. Leave the data
+            module's own ``advantage_estimator`` unset (the callback refuses both).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
         importance_weight_cap: async, decoupled only: truncate the decoupled-PPO weight
@@ -77,7 +101,7 @@ class OnlineRolloutSource:
             (default): the exact decoupled-PPO loss of ``docs/losses.md``.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
             any warm start), for ``kl_coef > 0``.
-        seed: prompts and sampling: step ``i`` uses prompt indices ``[i * prompts_per_step, ...)`` and a seed
+        seed: prompts and sampling: step ``i`` uses prompt indices ``[i * prompts_per_step, ...)`` and seeds
             derived from ``(seed, i)``.
         add_bos: start every context with the tokenizer's BOS token.
         max_context: the model's maximum positions (default: the policy config's ``max_position_embeddings``).
@@ -89,15 +113,21 @@ class OnlineRolloutSource:
     def __init__(self, env: Environment, generator: Generator | None = None,
                  tokenizer: PreTrainedTokenizerBase | str | None = None, prompts_per_step: int = 8,
                  samples_per_prompt: int = 4, steps_per_epoch: int = 1000, rollout_mode: RolloutMode = "sync",
-                 max_staleness: int = 1, advantage_estimator: str | None = "grpo", decoupled: bool = True,
+                 max_staleness: int = 1, placement: Placement | None = None, generation_blocks: int | None = None,
+                 advantage_estimator: str | None = "grpo", decoupled: bool = True,
                  importance_weight_cap: float | None = None, ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None) -> None:
         if rollout_mode not in ("sync", "async"):
             raise ValueError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
+        if placement not in (None, "colocated", "disaggregated"):
+            raise ValueError(f"placement={placement!r}; choose 'colocated', 'disaggregated' or None (the generator's)")
         for name, value in (("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
                             ("steps_per_epoch", steps_per_epoch)):
             if value < 1:
                 raise ValueError(f"{name}={value} must be >= 1")
+        if generation_blocks is not None and not 1 <= generation_blocks <= prompts_per_step:
+            raise ValueError(f"generation_blocks={generation_blocks} must be between 1 and prompts_per_step="
+                             f"{prompts_per_step} (or None: one block per rank)")
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
         if importance_weight_cap is not None and not importance_weight_cap >= 1.0:
@@ -112,6 +142,8 @@ class OnlineRolloutSource:
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.steps_per_epoch = steps_per_epoch
         self.rollout_mode, self.max_staleness = rollout_mode, max_staleness
+        self.placement: Placement = placement or getattr(self.generator, "placement", "colocated")
+        self.generation_blocks = generation_blocks
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
         self.importance_weight_cap = importance_weight_cap
         self.ref_logprobs = ref_logprobs
@@ -121,8 +153,10 @@ class OnlineRolloutSource:
         self.engine = EngineOptions()  # the forward-only walks' options (attach() takes the trainer's)
         self.last_step: StepInfo | None = None
         self.history: list[StepInfo] = []  # every step handed out, in order
+        self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next step to hand out
+        self._rank, self._world_size = 0, 1
         self._producer: AsyncProducer | None = None  # async: the background generation thread
         self.discarded_steps = 0  # async: steps generated but never trained (counted at close())
 
@@ -133,8 +167,30 @@ class OnlineRolloutSource:
         return self.steps_per_epoch
 
     def __call__(self) -> Iterator[list[Rollout]]:
-        """One epoch: ``steps_per_epoch`` steps, generated (or taken from the background thread) on demand."""
-        return (self.next_step() for _ in range(self.steps_per_epoch))
+        """The rest of the current epoch: whole steps (advantages set; :meth:`prepare_batch` adds the log-probs
+        on each rank's share), generated (or taken from the background thread) on demand."""
+        end = (self._next_index // self.steps_per_epoch + 1) * self.steps_per_epoch
+        while self._next_index < end:
+            yield self.next_rollouts()
+
+    def prepare_batch(self, batch: StepBatch) -> None:
+        """Complete this rank's share of the step: proximal and reference log-probs on its tree only."""
+        if batch.tree is not None:
+            self.prepare(batch.tree)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The next step to hand out (a resumed run continues there, with the same prompts and seeds)."""
+        return {"next_index": self._next_index, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._producer is not None:
+            raise RuntimeError("load_state_dict() on a running async source; restore before attach()")
+        if (state.get("seed"), state.get("prompts_per_step")) != (self.seed, self.prompts_per_step):
+            raise ValueError(f"the checkpoint's rollout source had seed={state.get('seed')} and prompts_per_step="
+                             f"{state.get('prompts_per_step')}, this one has seed={self.seed} and prompts_per_step="
+                             f"{self.prompts_per_step}: the resumed run would draw other prompts. Fix: resume with "
+                             "the same source settings")
+        self._next_index = int(state["next_index"])
 
     # ------------------------------------------------------------------ the training loop's side
 
@@ -143,8 +199,9 @@ class OnlineRolloutSource:
         ``engine`` the trainer's :class:`~lightning_dta.EngineOptions` (for the forward-only walks).
 
         Loads the tokenizer if a name was given, hands the policy to the generator (shared in sync mode, copied
-        in async mode), freezes a reference copy when ``ref_logprobs`` is on, and starts the background thread
-        in async mode.
+        in async mode; disaggregated: on rank 0 only), freezes a reference copy when ``ref_logprobs`` is on, and
+        starts the background thread in async mode. Every rank calls it (the ranks are read from
+        ``torch.distributed``).
         """
         if self.policy is not None:
             raise RuntimeError("OnlineRolloutSource.attach() was called twice; close() it first, or build a new "
@@ -160,16 +217,24 @@ class OnlineRolloutSource:
                              f"set the model's vocab_size to at least {len(self.tokenizer)}")
         if self.max_context is None:
             self.max_context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
+        self._rank, self._world_size = rank(), world_size()
         self.policy = policy
         self.engine = EngineOptions.resolve(engine)
         self._version = version
-        self.generator.attach(policy, eos_token_id=self.tokenizer.eos_token_id,
-                              pad_token_id=self.tokenizer.pad_token_id, share_weights=self.rollout_mode == "sync")
+        if self._generates:
+            self.generator.attach(policy, eos_token_id=self.tokenizer.eos_token_id,
+                                  pad_token_id=self.tokenizer.pad_token_id,
+                                  share_weights=self.rollout_mode == "sync")
         if self.ref_logprobs:
             self.ref_model = copy.deepcopy(policy).requires_grad_(False).eval()
-        if self.rollout_mode == "async":  # a second attach() (another fit) continues the step count
+        if self.rollout_mode == "async" and self._generates:  # a second attach() continues the step count
             self._producer = AsyncProducer(self._generate, self.max_staleness)
             self._producer.start(self._next_index, version)
+
+    @property
+    def _generates(self) -> bool:
+        """Whether this rank generates (colocated: every rank; disaggregated: rank 0)."""
+        return self.placement == "colocated" or self._rank == 0
 
     def resolve_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer: the one given, loaded from the given name or path, or the environment's default."""
@@ -183,24 +248,30 @@ class OnlineRolloutSource:
         return self.tokenizer
 
     def update_policy(self, policy: nn.Module, version: int) -> None:
-        """Call after every optimizer step: the generator follows ``policy``'s weights, tagged ``version``.
+        """Call after every optimizer step, on every rank: the generator follows ``policy``'s weights, tagged
+        ``version`` (in-process copy, or the server's weight sync). The time it takes is ``last_weight_sync_sec``.
 
-        In async mode this waits for a generation in progress to finish (the copy never mixes two versions
-        into one generation), then lets the background thread start the steps the new version allows.
+        In async mode this first waits until the background thread has generated the steps pinned to the weights
+        it holds (the step trained next, with ``max_staleness=1``), so a copy never mixes two versions into one
+        generation and every step gets its pinned version.
         """
         if self.policy is None:
             raise RuntimeError("update_policy() before attach()")
         if version < self._version:
             raise ValueError(f"policy version {version} must not go back (the policy is at version {self._version}); "
                              "pass the optimizer step count, e.g. trainer.global_step")
+        start = time.perf_counter()
+
+        def load() -> None:
+            if self._generates:
+                self.generator.update_weights(policy, version)
+
         if self._producer is None:
-            self.generator.update_weights(policy, version)
-            self._version = version
-            return
-        with self._producer.generation_lock:  # weights and their version change together, between generations
-            self.generator.update_weights(policy, version)
-            self._version = version
-            self._producer.set_version(version)
+            load()
+        else:
+            self._producer.publish(version, load)
+        self._version = version
+        self.last_weight_sync_sec = time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the background thread (if any) and wait for it; steps generated but not trained are counted in
@@ -228,52 +299,91 @@ class OnlineRolloutSource:
     # ------------------------------------------------------------------ producing steps
 
     def next_step(self) -> list[Rollout]:
-        """The next step's rollouts, ready to train (advantages and, in async mode, prox log-probs set)."""
+        """The next whole step, ready to train (advantages and, in async mode, prox log-probs set): what a plain
+        training loop takes. (The data module takes :meth:`next_rollouts` and prepares each rank's share.)"""
+        rollouts = self.next_rollouts()
+        self.prepare(PrefixTree.from_rollouts(rollouts, validate=False))
+        return rollouts
+
+    def next_rollouts(self) -> list[Rollout]:
+        """The next step's rollouts on every rank, with advantages over the whole step (no proximal or reference
+        log-probs yet: :meth:`prepare` adds them). Every rank must call it for every step (it gathers)."""
         if self.policy is None:
             raise RuntimeError("OnlineRolloutSource has no policy: it must be attached to the model being trained "
                                "before the first step. With Lightning add lightning_dta.rl.OnlineRLCallback to the "
                                "Trainer's callbacks; in a plain loop call source.attach(model) first, and "
                                "source.update_policy(model, version) after every optimizer step")
         requested = time.perf_counter()
-        if self._producer is None:
-            generated = self._generate(self._next_index, self._version)
-        else:
-            generated = self._producer.take(self._next_index)
+        local = None
+        if self._generates:
+            local = self._generate(self._next_index, self._version) if self._producer is None \
+                else self._producer.take(self._next_index)
+        shares = self._gather(local)
         waited = time.perf_counter() - requested
-        if generated.index != self._next_index:
-            raise RuntimeError(f"step {generated.index} arrived where step {self._next_index} was expected")
+        index, version = self._check_shares(shares)
         self._next_index += 1
-        staleness = self._version - generated.version
+        staleness = self._version - version
         if staleness > (self.max_staleness if self.rollout_mode == "async" else 0):
-            raise RuntimeError(f"step {generated.index} was generated with policy version {generated.version} and "
-                               f"would be trained at version {self._version}: staleness {staleness} exceeds "
-                               f"max_staleness={self.max_staleness}. This is a bug in the rollout source")
-        start = time.perf_counter()
-        episodes = generated.content
+            raise RuntimeError(f"step {index} was generated with policy version {version} and would be trained at "
+                               f"version {self._version}: staleness {staleness} exceeds max_staleness="
+                               f"{self.max_staleness}. This is a bug in the rollout source")
+        episodes = sorted((e for share in shares for e in share.content), key=lambda e: (e.prompt_index, e.sample))
         rollouts = episode_rollouts(episodes, self.advantage_estimator)
-        tree = PrefixTree.from_rollouts(rollouts, validate=False)
-        info = step_info(generated.index, generated.version, self._version, episodes, tree)
-        info.generation_sec, info.wait_sec, info.requested_at = generated.seconds, waited, requested
-        if self.rollout_mode == "async" and self.decoupled:
-            fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)
-            if self.importance_weight_cap is not None:
-                cap_importance_weight(rollouts, self.importance_weight_cap)
-        if self.ref_model is not None:
-            fill_logprobs(tree, self.ref_model, "ref_logprobs", self.engine)
-        info.prepare_sec = time.perf_counter() - start
+        info = step_info(index, version, self._version, episodes, PrefixTree.from_rollouts(rollouts, validate=False))
+        info.generation_sec = local.seconds if local is not None else 0.0
+        info.wait_sec, info.requested_at = waited, requested
         self.last_step = info
         self.history.append(info)
         return rollouts
 
+    def prepare(self, tree: PrefixTree) -> None:
+        """Decoupled PPO (async): ``prox_logprobs`` of the current weights on ``tree``'s rollouts (and the importance
+        cap); ``ref_logprobs`` of the frozen reference when ``ref_logprobs`` is on. Adds its time to the step's
+        ``prepare_sec``."""
+        start = time.perf_counter()
+        if self.rollout_mode == "async" and self.decoupled:
+            fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)
+            if self.importance_weight_cap is not None:
+                cap_importance_weight(tree.rollouts, self.importance_weight_cap)
+        if self.ref_model is not None:
+            fill_logprobs(tree, self.ref_model, "ref_logprobs", self.engine)
+        if self.last_step is not None:
+            self.last_step.prepare_sec += time.perf_counter() - start
+
+    def _gather(self, local: Generated | None) -> list[Generated]:
+        """Every generating rank's share of the step (colocated: all-gathered; disaggregated: rank 0's, broadcast)."""
+        if self.placement == "colocated":
+            return all_gather_objects(local)
+        return [broadcast_object(local, src=0)]
+
+    def _check_shares(self, shares: list[Generated]) -> tuple[int, int]:
+        indices, versions = {s.index for s in shares}, {s.version for s in shares}
+        if indices != {self._next_index} or len(versions) != 1:
+            raise RuntimeError(f"the ranks handed over steps {sorted(indices)} generated with policy versions "
+                               f"{sorted(versions)} where step {self._next_index} of one version was expected: the "
+                               "ranks' rollout sources are out of step (were they attached or updated differently?)")
+        return self._next_index, versions.pop()
+
     def _step_seed(self, index: int) -> int:
-        return random.Random(f"online-rollouts:{self.seed}:{index}").getrandbits(63)
+        return derive_seed("online-rollouts", self.seed, index)
+
+    def _blocks(self) -> list[range]:
+        """This rank's blocks of the step's prompt positions (module docstring)."""
+        if self.placement == "disaggregated":
+            return [range(self.prompts_per_step)]
+        count = self.generation_blocks or min(self._world_size, self.prompts_per_step)
+        edges = [b * self.prompts_per_step // count for b in range(count + 1)]
+        return [range(edges[b], edges[b + 1]) for b in range(self._rank, count, self._world_size)]
 
     def _generate(self, index: int, version: int) -> Generated:
+        """Generate this rank's share of step ``index`` (an empty list when it has no block)."""
         start = time.perf_counter()
         first = index * self.prompts_per_step
-        episodes = run_episodes(self.env, self.generator, self.tokenizer, range(first, first + self.prompts_per_step),
-                                self.samples_per_prompt, self._step_seed(index), add_bos=self.add_bos,
-                                max_context=self.max_context)
+        episodes = []
+        for block in self._blocks():
+            episodes += run_episodes(self.env, self.generator, self.tokenizer, [first + p for p in block],
+                                     self.samples_per_prompt, self._step_seed(index), add_bos=self.add_bos,
+                                     max_context=self.max_context)
         without_calls = [e for e in episodes if not e.calls]
         if without_calls:  # run_episodes refuses prompts too long for a first call; this cannot happen silently
             raise RuntimeError(f"{len(without_calls)} episode(s) of step {index} made no LLM call")

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 
+from lightning_dta.distributed import rank
 from lightning_dta.module import build_causal_lm
+from lightning_dta.rl import ReverseDigits
 from lightning_dta.rl.generation import Completion, Generator
 
 
@@ -56,3 +60,45 @@ class ScriptedGenerator(Generator):
 
     def update_weights(self, policy: nn.Module, version: int) -> None:
         self.version = version
+
+
+class RolloutRecorder(Callback):
+    """Saves, per rank, the rollouts this rank trained in each step and the source's step info, to
+    ``{out_dir}/rank{r}.pt`` when training ends (added from the command line in the multi-process tests)."""
+
+    def __init__(self, out_dir: str, steps: int = 3) -> None:
+        self.out_dir, self.steps = out_dir, steps
+        self.rollouts: list[list[tuple]] = []
+        self.infos: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if len(self.rollouts) < self.steps:
+            mine = [] if batch.tree is None else batch.tree.rollouts
+            self.rollouts.append(sorted((tuple(r.input_ids), tuple(r.loss_mask), tuple(r.old_logprobs),
+                                         r.advantages, r.reward) for r in mine))
+        source = trainer.datamodule.source
+        info = source.last_step
+        self.infos.append({"index": info.index, "policy_version": info.policy_version,
+                           "trained_version": info.trained_version, "reward_mean": info.reward_mean,
+                           "prox_set": batch.tree is None or all(r.prox_logprobs is not None
+                                                                  for r in batch.tree.rollouts)})
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        os.makedirs(self.out_dir, exist_ok=True)
+        weights = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+        torch.save({"rollouts": self.rollouts, "infos": self.infos, "world_size": trainer.world_size,
+                    "weights": weights}, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
+class FailingReverseDigits(ReverseDigits):
+    """``ReverseDigits`` whose ``reset`` raises on rank ``fail_rank`` from prompt ``fail_from`` on: a tool or
+    environment that crashes on one rank in the middle of a run."""
+
+    def __init__(self, fail_rank: int = 1, fail_from: int = 40, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_from = fail_rank, fail_from
+
+    def reset(self, index: int):
+        if rank() == self.fail_rank and index >= self.fail_from:
+            raise ZeroDivisionError(f"the tool crashed on prompt {index}")
+        return super().reset(index)

@@ -281,7 +281,6 @@ def test_callback_refuses_inconsistent_set_ups():
         find(fake_trainer(source(), data_estimator="grpo"), module)
     with pytest.raises(ValueError, match="ref_logprobs=True"):
         find(fake_trainer(source()), types.SimpleNamespace(loss_fn=dta.PolicyLoss(kl_coef=0.1)))
-    with pytest.raises(RuntimeError, match="one process"):
-        find(fake_trainer(source(), world_size=2), module)
+    assert find(fake_trainer(source(), world_size=2), module) is not None  # N ranks: every rank runs the source
     with pytest.raises(TypeError, match="OnlineRolloutSource"):
         find(fake_trainer([[dta.Rollout(input_ids=[1, 2])]]), module)

@@ -1,0 +1,84 @@
+"""A fake vLLM/SGLang server in a thread: scripted completions, SGLang-style weight reloads, scripted failures."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+EOS = 2
+
+
+class FakeServer:
+    """Answers /v1/completions with scripted choices and /update_weights_from_disk like SGLang; records requests.
+
+    ``style``: ``"token_ids"`` (vLLM ``return_token_ids``), ``"token_id_strings"`` (``"token_id:N"`` tokens),
+    ``"text"`` (tokens as text only), ``"error"`` (HTTP 500). ``failures``: answer that many requests first with
+    ``failure_code`` (a transient overload), then normally.
+    """
+
+    def __init__(self, style: str = "token_ids", failures: int = 0, failure_code: int = 503) -> None:
+        self.style = style
+        self.failures, self.failure_code = failures, failure_code
+        self.requests: list[tuple[str, dict]] = []
+        self.lock = threading.Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with fake.lock:
+                    fake.requests.append((self.path, body))
+                    failing = fake.failures > 0
+                    fake.failures -= int(failing)
+                if fake.style == "error" or failing:
+                    self.send_response(500 if fake.style == "error" else fake.failure_code)
+                    self.end_headers()
+                    self.wfile.write(b"CUDA out of memory" if fake.style == "error" else b"server overloaded")
+                    return
+                reply = fake.weights(body) if self.path == "/update_weights_from_disk" else fake.complete(body)
+                data = json.dumps(reply).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def complete(self, body: dict) -> dict:
+        choices = []
+        prompts = body["prompt"] if isinstance(body["prompt"][0], list) else [body["prompt"]]
+        for index, prompt in enumerate(prompts):
+            # prompt-dependent output: the last prompt token + 1, then EOS for even-length prompts
+            tokens = [prompt[-1] + 1, 9] + ([EOS] if len(prompt) % 2 == 0 else [7])
+            logprobs = [-0.5 - 0.1 * k for k in range(len(tokens))]
+            choice = {"index": index, "text": "ignored", "finish_reason": "stop" if tokens[-1] == EOS else "length",
+                      "logprobs": {"token_logprobs": logprobs, "top_logprobs": [{}] * len(tokens)}}
+            if self.style == "token_ids":
+                choice["token_ids"] = tokens
+                choice["logprobs"]["tokens"] = [str(t) for t in tokens]
+            elif self.style == "token_id_strings":
+                choice["logprobs"]["tokens"] = [f"token_id:{t}" for t in tokens]
+            else:
+                choice["logprobs"]["tokens"] = ["a"] * len(tokens)
+            choices.append(choice)
+        return {"id": "cmpl-1", "object": "text_completion", "choices": list(reversed(choices))}
+
+    def weights(self, body: dict) -> dict:
+        return {"success": Path(body["model_path"], "config.json").exists(), "message": "loaded"}
+
+    def __enter__(self) -> FakeServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
