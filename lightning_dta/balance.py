@@ -30,6 +30,7 @@ Two partitioners, both deterministic, both returning the rollout indices of each
 
 from __future__ import annotations
 
+import collections
 import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -212,7 +213,8 @@ class _Chain:
 
 
 def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
-                         cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> list[list[int]]:
+                         cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT, slack: float = 0.0
+                         ) -> list[list[int]]:
     """Cut the lexicographic order into ``world_size`` contiguous pieces with the smallest maximum cost.
 
     Appending a rollout to a piece adds the cost of its positions ``lcp .. len-1`` (``lcp`` with the previous
@@ -221,15 +223,23 @@ def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: i
     (to a relative 1e-9). When fewer pieces than ranks would do, pieces are still split so that every rank
     gets work while rollouts remain (the maximum stays the same; memory and the other ranks' time drop).
 
+    Among the cuts whose pieces all cost at most ``1 + slack`` times that optimum, the ones that lose the fewest
+    shared tokens are chosen (:func:`_least_sharing_lost`): a cut then falls between episodes or GRPO groups
+    rather than inside the history of one multi-turn episode, whose calls stay in one tree where possible. The
+    default ``slack=0`` never makes the slowest rank slower for it.
+
     Args:
         rollouts: the step's rollouts, or their :class:`PrefixTree` if it is already built.
         world_size: number of data-parallel ranks.
         cost_model: the :class:`CostModel` (or a bare attention weight).
+        slack: how much dearer than the optimum a piece may be to keep more sharing (default 0: not at all).
 
     Returns:
         For each rank, the sorted indices (into ``rollouts``) of its rollouts; a rank may get none.
     """
     _check_world_size(world_size)
+    if slack < 0:
+        raise ValueError(f"slack={slack} must be >= 0")
     cost = CostModel.coerce(cost_model)
     tree = _as_tree(rollouts)
     chain = _Chain.of(tree)
@@ -262,10 +272,64 @@ def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: i
             low = middle
         else:
             high = middle
-    ends = cut(high, reserve=True) or cut(high, reserve=False)
-    assert ends is not None  # `high` is feasible by construction
+    pieces = min(world_size, n)
+    ends = _least_sharing_lost(alone, added, chain.lcps, pieces, high * (1 + slack))
+    if ends is None:  # cannot happen (the greedy cut below is feasible), kept as a safe fallback
+        ends = cut(high, reserve=True) or cut(high, reserve=False)
+    ends = ends + [n] * (world_size - len(ends))
     starts = [0] + ends[:-1]
     return [sorted(chain.order[a:b]) for a, b in zip(starts, ends)]
+
+
+def _least_sharing_lost(alone: list[float], added: list[float], lcps: list[int], pieces: int,
+                        bound: float) -> list[int] | None:
+    """End positions of ``pieces`` non-empty contiguous pieces, each costing at most ``bound``, that lose the fewest
+    shared tokens at the cuts (a cut before position ``b`` loses ``lcps[b]``); ``None`` if none exists.
+
+    Dynamic programming over (pieces, end): the admissible starts of a piece ending at ``b`` form a window that
+    only moves right as ``b`` grows, so a monotone queue gives each entry in O(1): O(pieces x rollouts).
+    """
+    n = len(alone)
+    bound *= 1 + 1e-12
+    prefix = [0.0]
+    for value in added:
+        prefix.append(prefix[-1] + value)
+
+    def piece_cost(a: int, b: int) -> float:  # rollouts a .. b-1 as one piece
+        return alone[a] + prefix[b] - prefix[a + 1]
+
+    inf = float("inf")
+    best = [0.0 if piece_cost(0, b) <= bound else inf for b in range(n + 1)]  # one piece covering 0 .. b-1
+    best[0] = inf
+    choices: list[list[int]] = []
+    for k in range(2, pieces + 1):
+        previous, best = best, [inf] * (n + 1)
+        choice = [-1] * (n + 1)
+        window: collections.deque[int] = collections.deque()  # starts a, by increasing lost sharing
+        low = k - 1
+        nxt = k - 1
+        for b in range(k, n + 1):
+            while nxt <= b - 1:  # admit start a = b - 1 (and any skipped)
+                value = previous[nxt] + lcps[nxt]
+                while window and previous[window[-1]] + lcps[window[-1]] >= value:
+                    window.pop()
+                window.append(nxt)
+                nxt += 1
+            while low < b - 1 and piece_cost(low, b) > bound:  # the cheapest admissible start moves right
+                low += 1
+            while window and window[0] < low:
+                window.popleft()
+            if window and piece_cost(window[0], b) <= bound and previous[window[0]] < inf:
+                best[b] = previous[window[0]] + lcps[window[0]]
+                choice[b] = window[0]
+        choices.append(choice)
+    if best[n] == inf:
+        return None
+    ends, b = [n], n
+    for choice in reversed(choices):
+        b = choice[b]
+        ends.append(b)
+    return ends[::-1]
 
 
 def partition_greedy(rollouts: Sequence[Rollout] | PrefixTree, world_size: int,
