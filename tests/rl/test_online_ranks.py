@@ -40,11 +40,11 @@ STEPS, WINDOW, MARGIN, RECORDED = 100, 10, 0.1, 3
 
 
 def fit(tmp_path: Path, devices: int, *overrides: str, module: str = "lightning_dta.cli", timeout: float = 600,
-        steps: int = STEPS) -> tuple[subprocess.CompletedProcess, float]:
+        steps: int = STEPS, config: Path = CONFIG) -> tuple[subprocess.CompletedProcess, float]:
     """``lightning-dta fit`` on the toy config with a RolloutRecorder; returns the process and its wall time."""
     env = clean_env()
     env["PYTHONPATH"] = str(helpers.REPO)  # the recorder callback lives in tests/
-    cmd = [sys.executable, "-m", module, "fit", "--config", str(CONFIG), f"--trainer.devices={devices}",
+    cmd = [sys.executable, "-m", module, "fit", "--config", str(config), f"--trainer.devices={devices}",
            f"--trainer.max_steps={steps}", f"--trainer.logger.init_args.save_dir={tmp_path / 'logs'}",
            "--trainer.enable_progress_bar=false", "--trainer.callbacks+=tests.helpers.rl.RolloutRecorder",
            f"--trainer.callbacks.out_dir={tmp_path / 'records'}", f"--trainer.callbacks.steps={RECORDED}",
@@ -70,7 +70,7 @@ def records(tmp_path: Path, devices: int) -> list[dict]:
 
 
 def rewards(tmp_path: Path) -> list[float]:
-    (metrics,) = (tmp_path / "logs").glob("toy_rl_cpu/version_*/metrics.csv")
+    (metrics,) = (tmp_path / "logs").glob("*/version_*/metrics.csv")
     rows = [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(open(metrics))]
     return [r["rollout/reward_mean"] for r in sorted(rows, key=lambda r: r["step"]) if "rollout/reward_mean" in r]
 
@@ -172,3 +172,52 @@ def test_resume_continues_with_the_next_step(tmp_path: Path) -> None:
     assert after["infos"] == whole["infos"][3:]  # same prompts and seeds: the same rewards and versions
     for name, weight in whole["weights"].items():
         torch.testing.assert_close(after["weights"][name], weight, rtol=0, atol=0, msg=name)
+
+
+CALCULATOR = """
+seed_everything: 0
+trainer:
+  accelerator: cpu
+  strategy: dta
+  log_every_n_steps: 1
+  enable_checkpointing: false
+  logger:
+    class_path: lightning.pytorch.loggers.CSVLogger
+    init_args: {save_dir: runs, name: calculator}
+  callbacks:
+    - class_path: lightning_dta.rl.OnlineRLCallback
+      init_args: {print_every_n_steps: 0, reward_plot: null}
+model:
+  model: {model_type: llama, vocab_size: 52, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+          num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 256}
+data:
+  source:
+    class_path: lightning_dta.rl.OnlineRolloutSource
+    init_args:
+      env: {class_path: lightning_dta.rl.CalculatorEnv, init_args: {max_turns: 3}}
+      generator: {class_path: lightning_dta.rl.HFGenerator, init_args: {max_new_tokens: 6}}
+      prompts_per_step: 4
+      samples_per_prompt: 2
+      generation_blocks: 2
+"""
+
+
+def test_multi_turn_episodes_on_two_ranks(tmp_path: Path) -> None:
+    """CalculatorEnv (up to 3 calls per episode): 2 ranks train the 1-rank step 0, and every call is trained on the
+    rank that trains the episode's earlier calls (an episode's history is computed once)."""
+    config = tmp_path / "calculator.yaml"
+    config.write_text(CALCULATOR)
+    single, pair = tmp_path / "one", tmp_path / "two"
+    for path, devices in ((single, 1), (pair, 2)):
+        path.mkdir()
+        proc, _ = fit(path, devices, config=config, steps=RECORDED)
+        assert proc.returncode == 0, proc.stdout[-5000:]
+    (one,), two = records(single, 1), records(pair, 2)
+    assert merged_rollouts(two)[0] == merged_rollouts([one])[0]
+    for step in range(RECORDED):
+        calls = [(rank, r[0]) for rank, record in enumerate(two) for r in record["rollouts"][step]]
+        assert max(len(ids) for _, ids in calls) > min(len(ids) for _, ids in calls)  # several turns happened
+        for rank, ids in calls:  # the previous call of the same episode is a strict prefix of this one
+            earlier = [other for other, prefix in calls if len(prefix) < len(ids) and ids[:len(prefix)] == prefix
+                       and len(prefix) > 60]  # longer than the shared system prompt: the same episode
+            assert all(other == rank for other in earlier), (step, rank, earlier)
