@@ -15,18 +15,22 @@ from lightning_dta.tree import PrefixTree, TreeNode, TreeStats
 __version__ = "0.1.0"
 
 # The Lightning side. Lightning finds no third-party strategy by itself, so importing the package registers
-# the strategy names "dta", "dta_spawn" and "dta_fork" (as Lightning's own strategies do in `register_strategies`).
+# the strategy names "dta", "dta_spawn", "dta_fork" and "dta_fsdp" (as Lightning's own strategies do in
+# `register_strategies`).
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
 from lightning_dta.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402
+from lightning_dta.fsdp_strategy import DTAFSDPStrategy  # noqa: E402
 from lightning_dta.module import DTAModule  # noqa: E402
 from lightning_dta.step import DFSStepMixin, StepOutput, dfs_training_step, tree_step_backward  # noqa: E402
 from lightning_dta.strategy import DTAStrategy  # noqa: E402
 
 DTAStrategy.register_strategies(StrategyRegistry)
+DTAFSDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "DFSStepMixin",
+    "DTAFSDPStrategy",
     "DTAModule",
     "DTAStrategy",
     "PeakMemoryMonitor",

@@ -16,8 +16,10 @@ as :class:`~lightning_dta.DTAStrategy` does in Lightning. The loop keeps its usu
 
 One call is one whole optimizer step: do not wrap it in ``accelerator.accumulate`` (that would skip the
 optimizer step while the gradients are already summed). Supported: a single process, DDP on CPU (gloo) and GPU
-(NCCL). Sharded set-ups (FSDP, DeepSpeed ZeRO-2/3) keep partial gradients and are refused, as is fp16 loss
-scaling, which ``accelerator.backward`` applies and a DFS step does not call.
+(NCCL), and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): the sharded model runs the DFS step of
+:mod:`lightning_dta.sharding` (one all-gather per unit, no collective during the walk, one reduce-scatter per
+unit, summed). FSDP1 and DeepSpeed ZeRO keep partial gradients the step cannot sum and are refused, as is fp16
+loss scaling, which ``accelerator.backward`` applies and a DFS step does not call.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ from torch import nn
 
 from lightning_dta.engine import EngineOptions
 from lightning_dta.losses import PolicyLoss
+from lightning_dta.sharding import is_sharded, sum_over_ranks
 from lightning_dta.step import StepOutput, gradient_norm, tree_step_backward
 from lightning_dta.tree import PrefixTree
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
-SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU")
+SUPPORTED = ("NO", "MULTI_CPU", "MULTI_GPU", "FSDP")
 
 
 def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: PrefixTree | None,
@@ -53,13 +56,25 @@ def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: P
     """
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind not in SUPPORTED:
-        raise NotImplementedError(f"accelerate_tree_backward supports {SUPPORTED}, not {kind}: sharded "
-                                  "gradients cannot be summed whole. Fix: plain DDP (accelerate launch --multi_gpu).")
+        raise NotImplementedError(f"accelerate_tree_backward supports {SUPPORTED}, not {kind}: its partial "
+                                  "gradients cannot be summed by the step. Fix: DDP (accelerate launch --multi_gpu) or "
+                                  "FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2))")
     if getattr(accelerator, "scaler", None) is not None:
         raise RuntimeError("fp16 mixed precision scales the loss inside accelerator.backward, which a DFS step does "
                            "not call. Fix: mixed_precision='bf16' or 'no'.")
+    fsdp1 = NotImplementedError("accelerate_tree_backward supports FSDP2 only: FSDP1's flat parameters keep partial "
+                                "gradients the step cannot sum. Fix: FullyShardedDataParallelPlugin(fsdp_version=2)")
+    plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    if kind == "FSDP" and getattr(plugin, "fsdp_version", 1) != 2:
+        raise fsdp1
     inner = accelerator.unwrap_model(model)
-    with accelerator.no_sync(model):
+    if kind == "FSDP":
+        if not is_sharded(inner):
+            raise fsdp1
+        sum_over_ranks(inner)
         out = tree_step_backward(inner, tree, loss_fn, engine=engine)
+    else:
+        with accelerator.no_sync(model):
+            out = tree_step_backward(inner, tree, loss_fn, engine=engine)
     out.grad_norm = gradient_norm(inner.parameters())
     return out

@@ -58,6 +58,14 @@ def _bench_main():
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (``[project.scripts] lightning-dta``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "export":
+        from lightning_dta.export import ExportError
+        from lightning_dta.export import main as export_main
+
+        try:
+            sys.exit(export_main(args[1:]))
+        except ExportError as error:
+            sys.exit(f"lightning-dta export: {error}")
     if args and args[0] == "bench":
         bench = _bench_main()
         if bench is None:

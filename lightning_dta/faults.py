@@ -97,3 +97,34 @@ class FailureBroadcast:
             if not self._stop.wait(self.grace_sec):
                 os._exit(1)
             return
+
+
+class FailureWatchdogMixin:
+    """For a Lightning strategy: start a :class:`FailureBroadcast` once the process group exists
+    (:meth:`_start_failure_watchdog`), report this rank's failure in ``on_exception``, stop it in ``teardown``."""
+
+    _failures: FailureBroadcast | None = None
+
+    def _start_failure_watchdog(self) -> None:
+        self._failures = FailureBroadcast.for_default_group()
+        if self._failures is not None:
+            self._failures.start()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Tell the other ranks (they stop within seconds); if another rank failed first, print its error here."""
+        if self._failures is not None:
+            try:
+                first = self._failures.failure_of_another_rank()
+            except Exception:  # noqa: BLE001 (the store is gone with rank 0)
+                first = None
+            if first is not None and not self._failures.announced:
+                print(f"[rank{self._failures.rank}] lightning_dta: rank {first[0]} failed first:\n{first[1]}",
+                      file=sys.stderr, flush=True)
+            self._failures.report(exception)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self._failures is not None:
+            self._failures.stop()
+            self._failures = None
+        super().teardown()

@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 from collections.abc import Mapping
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,6 +74,29 @@ def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
     raise TypeError(f"model must be a path or hub name, a config dict or an nn.Module; got {type(model).__name__}")
 
 
+def local_checkpoint(model: str | PathLike) -> Path:
+    """The local directory of a Hugging Face checkpoint: the path itself, or the hub snapshot (downloaded once)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def build_on_meta(model: str | PathLike, model_kwargs: Mapping[str, Any] | None = None) -> tuple[nn.Module, Path]:
+    """The causal LM of a checkpoint with its parameters on the meta device (no memory) and its buffers real, and
+    the checkpoint's local directory: a sharding strategy allocates the shards and loads them from it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = local_checkpoint(model)
+    kwargs = _dtype_kwargs(model_kwargs or {})
+    with init_empty_weights(include_buffers=False):
+        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
+    return causal_lm, path
+
+
 class DTAModule(DFSStepMixin, LightningModule):
     """Train a causal LM on prefix trees of RL rollouts, one DFS per optimizer step.
 
@@ -103,6 +127,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         self.model_spec = None if isinstance(model, nn.Module) else model  # a module is registered once, below
         self.model_kwargs = dict(model_kwargs or {})
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self.hf_checkpoint: Path | None = None  # set when the model is built on the meta device (sharded runs)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.gradient_clip_val = gradient_clip_val
@@ -125,9 +150,24 @@ class DTAModule(DFSStepMixin, LightningModule):
 
     @override
     def configure_model(self) -> None:
-        """Build the causal LM once (Lightning may call this hook again, e.g. for ``validate`` after ``fit``)."""
-        if self.model is None:
+        """Build the causal LM once (Lightning may call this hook again, e.g. for ``validate`` after ``fit``).
+
+        Under a sharding strategy (``dta_fsdp``) a checkpoint path or hub name is built on the meta device and
+        the strategy loads it into the shards (``hf_checkpoint``), so no rank holds the whole model."""
+        if self.model is not None:
+            return
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if getattr(strategy, "shards_model", False) and isinstance(self.model_spec, (str, PathLike)):
+            self.model, self.hf_checkpoint = build_on_meta(self.model_spec, self.model_kwargs)
+        else:
             self.model = build_causal_lm(self.model_spec, self.model_kwargs)
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the model's config in the checkpoint: ``lightning-dta export`` builds the Hugging Face model from it
+        without downloading anything."""
+        if self.model is not None and hasattr(self.model, "config"):
+            checkpoint["hf_config"] = self.model.config.to_dict()
 
     @override
     def configure_optimizers(self) -> Any:

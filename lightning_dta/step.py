@@ -43,6 +43,7 @@ from lightning_dta.distributed import (
 )
 from lightning_dta.engine import EngineOptions, TreeBackwardOutput, tree_backward, tree_loss_normalizer
 from lightning_dta.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
+from lightning_dta.sharding import is_sharded, local_tensor, reduce_gradients, unsharded
 from lightning_dta.tree import PrefixTree
 
 _COUNTS = ("num_rollouts", "logical_tokens", "tree_tokens")
@@ -101,18 +102,22 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Polic
     normalizer = step_normalizer(tree, loss_fn, device)
     local = None
     seconds = 0.0
-    if tree is not None and tree.stats.num_rollouts > 0:
-        synchronize(device)
-        start = time.perf_counter()
-        local = tree_backward(model, tree, loss_fn, engine=engine, normalizer=normalizer)
-        synchronize(device)
-        seconds = time.perf_counter() - start
+    with unsharded(model):  # sharded: one all-gather per unit now, no collective during this rank's own walk
+        if tree is not None and tree.stats.num_rollouts > 0:
+            synchronize(device)
+            start = time.perf_counter()
+            local = tree_backward(model, tree, loss_fn, engine=engine, normalizer=normalizer)
+            synchronize(device)
+            seconds = time.perf_counter() - start
     values = [0.0] * (1 + len(METRIC_SUMS) + len(_COUNTS))
     if local is not None:
         values = [local.loss] + [local.sums.get(k, 0.0) for k in METRIC_SUMS] + \
             [float(getattr(local.stats, k)) for k in _COUNTS]
     ranks = all_gather_floats([*values, seconds], device)  # one collective: the sums and every rank's time
-    sum_gradients(model.parameters(), bucket_mb=bucket_mb)
+    if is_sharded(model):
+        reduce_gradients(model)  # one reduce-scatter per unit: each rank keeps the SUM of its shard
+    else:
+        sum_gradients(model.parameters(), bucket_mb=bucket_mb)
     values = [sum(rank[i] for rank in ranks) for i in range(len(values))]  # the same order on every rank
     loss, sums, counts = values[0], dict(zip(METRIC_SUMS, values[1:])), dict(zip(_COUNTS, values[-len(_COUNTS):]))
     metrics = {"loss": loss, **metrics_from_sums(sums), **counts,
@@ -122,9 +127,20 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Polic
 
 
 def gradient_norm(parameters: Iterable[nn.Parameter]) -> float:
-    """Total 2-norm of the gradients (in float32), the figure clipping compares with ``gradient_clip_val``."""
-    norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in parameters if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+    """Total 2-norm of the gradients (in float32), the figure clipping compares with ``gradient_clip_val``.
+
+    Sharded gradients (FSDP2 DTensors) hold one shard per rank: their squares are summed over ranks (one
+    all-reduce, every rank calls it); replicated gradients are the same on every rank and need none."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+
+    def squares(tensors: list[torch.Tensor]) -> float:  # one host sync for the whole list
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        return float(torch.stack(norms).square().sum()) if norms else 0.0
+
+    sharded = [local_tensor(g) for g in grads if local_tensor(g) is not g]
+    replicated = [g for g in grads if local_tensor(g) is g]
+    total = all_reduce_sum([squares(sharded)], collective_device(grads[0]))[0] if sharded else 0.0
+    return (total + squares(replicated)) ** 0.5
 
 
 def _lightning_optimizer(module: pl.LightningModule, optimizer: Optimizer | None) -> LightningOptimizer:
@@ -146,7 +162,7 @@ def _lightning_optimizer(module: pl.LightningModule, optimizer: Optimizer | None
 def _check_trainer(trainer: pl.Trainer) -> None:
     """Refuse set-ups whose gradient handling assumes ``manual_backward`` of one loss tensor."""
     strategy = trainer.strategy
-    if strategy.model is not None and strategy.model is not strategy.lightning_module:
+    if strategy.model is not None and strategy.model is not strategy.lightning_module:  # a DDP/FSDP1 wrapper
         raise RuntimeError(
             f"{type(strategy).__name__} wrapped the module in {type(strategy.model).__name__}; its gradient hooks "
             "fire on every backward of a DFS step (or, under no_sync, leave some parameters unsynced). Fix: "

@@ -23,7 +23,6 @@ processes, as ``"ddp_notebook"``; for notebooks, CPU or before CUDA is initialis
 
 from __future__ import annotations
 
-import sys
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -41,10 +40,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dta.distributed import DEFAULT_BUCKET_MB, broadcast_module
-from lightning_dta.faults import FailureBroadcast
+from lightning_dta.faults import FailureWatchdogMixin
 
 
-class DTAStrategy(DDPStrategy):
+class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
     """Data parallelism for DFS steps: unwrapped module, weights broadcast at setup, gradients summed once per step.
 
     Args:
@@ -70,7 +69,6 @@ class DTAStrategy(DDPStrategy):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb = float(bucket_mb)
-        self._failures: FailureBroadcast | None = None
 
     @property
     def _single_process(self) -> bool:
@@ -94,30 +92,7 @@ class DTAStrategy(DDPStrategy):
             self.set_world_ranks()
             return
         super().setup_distributed()
-        self._failures = FailureBroadcast.for_default_group()
-        if self._failures is not None:
-            self._failures.start()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks (they stop within seconds); if another rank failed first, print its error here."""
-        if self._failures is not None:
-            try:
-                first = self._failures.failure_of_another_rank()
-            except Exception:  # noqa: BLE001 (the store is gone with rank 0)
-                first = None
-            if first is not None and not self._failures.announced:
-                print(f"[rank{self.global_rank}] lightning_dta: rank {first[0]} failed first:\n{first[1]}",
-                      file=sys.stderr, flush=True)
-            self._failures.report(exception)
-        super().on_exception(exception)
-
-    @override
-    def teardown(self) -> None:
-        if self._failures is not None:
-            self._failures.stop()
-            self._failures = None
-        super().teardown()
+        self._start_failure_watchdog()
 
     @override
     def setup(self, trainer: Trainer) -> None:

@@ -30,6 +30,7 @@ from lightning_dta.distributed import all_gather_floats, broadcast_module
 from lightning_dta.rl.plot import save_reward_plot
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.warmup import WarmStartResult, sft_warm_start
+from lightning_dta.sharding import is_sharded
 
 
 class OnlineRLCallback(Callback):
@@ -109,7 +110,8 @@ class OnlineRLCallback(Callback):
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,
                                              add_bos=source.add_bos, engine=engine)
-            broadcast_module(policy)  # every rank ran the same warm start; rank 0's weights are the run's
+            if not is_sharded(policy):
+                broadcast_module(policy)  # every rank ran the same warm start; rank 0's weights are the run's
             self._print(trainer, f"SFT warm start: {self.warm_start.steps} steps in {self.warm_start.seconds:.1f}s, "
                                  f"demonstration NLL {self.warm_start.nll_before:.3f} -> "
                                  f"{self.warm_start.nll_after:.3f} per token")

@@ -31,6 +31,8 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from lightning_dta.sharding import copy_weights, is_sharded, unsharded_copy
+
 
 @dataclass
 class Completion:
@@ -179,7 +181,12 @@ class HFGenerator(Generator):
         self.pad_token_id = pad_token_id if pad_token_id is not None else (eos_token_id if eos_token_id is not None
                                                                             else self.extra_stop_ids[0])
         if self.model is None:
-            self.model = policy if share_weights else copy.deepcopy(policy)
+            if share_weights:
+                self.model = policy
+            elif is_sharded(policy):  # FSDP2 refuses deepcopy: an unsharded copy, gathered one tensor at a time
+                self.model = unsharded_copy(policy)
+            else:
+                self.model = copy.deepcopy(policy)
         elif not share_weights or self.model is not policy:
             self.update_weights(policy, self.version)
         if self.model is not policy:
@@ -189,16 +196,11 @@ class HFGenerator(Generator):
         """Copy ``policy``'s parameters and buffers into the generation model (nothing to do when shared)."""
         if self.model is None:
             raise RuntimeError("HFGenerator.update_weights before attach(): the generator has no model yet")
-        if self.model is not policy:
-            with torch.no_grad():
-                mine = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-                theirs = dict(policy.named_parameters()) | dict(policy.named_buffers())
-                if mine.keys() != theirs.keys():
-                    missing = sorted(set(theirs) ^ set(mine))[:5]
-                    raise ValueError(f"the generation model and the policy have different parameters (e.g. "
-                                     f"{missing}); give HFGenerator(model=...) the same architecture as the policy")
-                for name, tensor in mine.items():
-                    tensor.copy_(theirs[name])
+        if self.model is not policy:  # a sharded policy is gathered one tensor at a time (every rank calls this)
+            try:
+                copy_weights(policy, self.model)
+            except ValueError as error:
+                raise ValueError(f"{error}: give HFGenerator(model=...) the same architecture as the policy") from error
         self.version = version
 
     def _processors(self, generators: list[torch.Generator]) -> LogitsProcessorList:

@@ -26,7 +26,9 @@ Other HTTP errors (a bad request) are not retried.
 Weights: after each optimizer step the server must serve the new weights. ``weight_sync="sglang-disk"`` saves
 the policy with ``save_pretrained`` under ``weight_dir`` and asks SGLang to reload it
 (``POST /update_weights_from_disk`` with ``{"model_path": ...}``); any other mechanism (vLLM's weight-update
-endpoints, NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``.
+endpoints, NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``. With a
+sharded policy (``dta_fsdp``) the sync runs on every rank (the shards are gathered collectively: rank 0
+consolidates the checkpoint and asks the server to reload); a callable then also runs on every rank.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dta.distributed import rank
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
+from lightning_dta.sharding import export_hf_checkpoint
 
 WeightSync = Callable[[nn.Module, int], None]
 
@@ -116,11 +120,12 @@ class OpenAICompatibleGenerator(Generator):
             self.weight_sync(policy, version)
         elif self.weight_sync == "sglang-disk":
             path = Path(self.weight_dir) / f"version_{version}"
-            policy.save_pretrained(path)
-            reply = self._post("/update_weights_from_disk", {"model_path": str(path)})
-            if isinstance(reply, dict) and reply.get("success") is False:
-                raise ServerError(f"the server refused the weights of version {version} at {path}: "
-                                  f"{reply.get('message', reply)}")
+            export_hf_checkpoint(policy, path)  # sharded: every rank writes its shards, rank 0 consolidates
+            if rank() == 0:
+                reply = self._post("/update_weights_from_disk", {"model_path": str(path)})
+                if isinstance(reply, dict) and reply.get("success") is False:
+                    raise ServerError(f"the server refused the weights of version {version} at {path}: "
+                                      f"{reply.get('message', reply)}")
         self.version = version
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:

@@ -59,6 +59,7 @@ from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, cap_importance_weight, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
 from lightning_dta.rollout import Rollout
+from lightning_dta.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.tree import PrefixTree
 
 RolloutMode = Literal["sync", "async"]
@@ -157,6 +158,7 @@ class OnlineRolloutSource:
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next step to hand out
         self._rank, self._world_size = 0, 1
+        self._syncs_weights = True  # whether this rank's generator receives the weights (attach() decides)
         self._producer: AsyncProducer | None = None  # async: the background generation thread
         self.discarded_steps = 0  # async: steps generated but never trained (counted at close())
 
@@ -174,9 +176,9 @@ class OnlineRolloutSource:
             yield self.next_rollouts()
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Complete this rank's share of the step: proximal and reference log-probs on its tree only."""
-        if batch.tree is not None:
-            self.prepare(batch.tree)
+        """Complete this rank's share of the step: proximal and reference log-probs on its tree only. Every rank
+        calls it, also one without a tree (a sharded model is unsharded collectively for the walks)."""
+        self.prepare(batch.tree)
 
     def state_dict(self) -> dict[str, Any]:
         """The next step to hand out (a resumed run continues there, with the same prompts and seeds)."""
@@ -221,12 +223,17 @@ class OnlineRolloutSource:
         self.policy = policy
         self.engine = EngineOptions.resolve(engine)
         self._version = version
-        if self._generates:
+        sharded = is_sharded(policy)
+        # A sharded policy's weights are gathered collectively, so every rank takes part in each weight copy (the
+        # generator of a rank that does not generate only receives them); it is never shared (its forwards would
+        # all-gather a different number of times on every rank).
+        self._syncs_weights = self._generates or sharded
+        if self._syncs_weights:
             self.generator.attach(policy, eos_token_id=self.tokenizer.eos_token_id,
                                   pad_token_id=self.tokenizer.pad_token_id,
-                                  share_weights=self.rollout_mode == "sync")
+                                  share_weights=self.rollout_mode == "sync" and not sharded)
         if self.ref_logprobs:
-            self.ref_model = copy.deepcopy(policy).requires_grad_(False).eval()
+            self.ref_model = sharded_copy(policy) if sharded else copy.deepcopy(policy).requires_grad_(False).eval()
         if self.rollout_mode == "async" and self._generates:  # a second attach() continues the step count
             self._producer = AsyncProducer(self._generate, self.max_staleness)
             self._producer.start(self._next_index, version)
@@ -263,7 +270,7 @@ class OnlineRolloutSource:
         start = time.perf_counter()
 
         def load() -> None:
-            if self._generates:
+            if self._syncs_weights:
                 self.generator.update_weights(policy, version)
 
         if self._producer is None:
@@ -336,17 +343,22 @@ class OnlineRolloutSource:
         self.history.append(info)
         return rollouts
 
-    def prepare(self, tree: PrefixTree) -> None:
+    def prepare(self, tree: PrefixTree | None) -> None:
         """Decoupled PPO (async): ``prox_logprobs`` of the current weights on ``tree``'s rollouts (and the importance
         cap); ``ref_logprobs`` of the frozen reference when ``ref_logprobs`` is on. Adds its time to the step's
-        ``prepare_sec``."""
+        ``prepare_sec``. ``tree=None``: a rank without rollouts in this step (it still joins a sharded model's
+        all-gathers)."""
         start = time.perf_counter()
         if self.rollout_mode == "async" and self.decoupled:
-            fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)
-            if self.importance_weight_cap is not None:
+            with unsharded(self.policy, training=False):
+                if tree is not None:
+                    fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)
+            if tree is not None and self.importance_weight_cap is not None:
                 cap_importance_weight(tree.rollouts, self.importance_weight_cap)
         if self.ref_model is not None:
-            fill_logprobs(tree, self.ref_model, "ref_logprobs", self.engine)
+            with unsharded(self.ref_model, training=False):
+                if tree is not None:
+                    fill_logprobs(tree, self.ref_model, "ref_logprobs", self.engine)
         if self.last_step is not None:
             self.last_step.prepare_sec += time.perf_counter() - start
 

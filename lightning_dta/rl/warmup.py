@@ -16,10 +16,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
+from lightning_dta.distributed import world_size
+from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs, tree_loss_normalizer
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.rl.environment import Environment, encode_observation
 from lightning_dta.rollout import Rollout
+from lightning_dta.sharding import is_sharded, reduce_gradients, unsharded
 from lightning_dta.tree import PrefixTree
 
 # Demonstrations are prompts DEMONSTRATION_OFFSET + k (training) and DEMONSTRATION_OFFSET - 1 - k (the NLL
@@ -42,7 +44,8 @@ def demonstration_rollout(env: Environment, tokenizer: PreTrainedTokenizerBase, 
 
 def demonstration_nll(model: nn.Module, rollouts: list[Rollout], engine: EngineOptions | None = None) -> float:
     """Mean negative log-likelihood of the trained tokens of ``rollouts`` (one forward-only tree walk)."""
-    logprobs = tree_logprobs(model, PrefixTree.from_rollouts(rollouts), engine=engine)
+    with unsharded(model, training=False):
+        logprobs = tree_logprobs(model, PrefixTree.from_rollouts(rollouts), engine=engine)
     total = count = 0.0
     for rollout, values in zip(rollouts, logprobs):
         mask = torch.as_tensor(rollout.mask()[1:], dtype=values.dtype, device=values.device)
@@ -68,9 +71,11 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
     """Train ``model`` for ``steps`` AdamW steps on batches of ``batch_size`` demonstrations.
 
     A private optimizer is used and dropped, so the RL optimizer starts with fresh state. Demonstrations come
-    from prompt indices ``DEMONSTRATION_OFFSET + k``, not the RL prompts. (The policy loss of an SFT step is
-    always -1 - the advantage times a ratio of 1 - so progress is reported as the NLL instead.) ``engine``: the
-    :class:`~lightning_dta.EngineOptions` of the training and forward-only walks.
+    from prompt indices ``DEMONSTRATION_OFFSET + k``, not the RL prompts. On several ranks every rank trains on the
+    same batches (the warm start is small): replicated weights stay identical without communication; sharded
+    weights (``dta_fsdp``) sum every rank's gradient, so each rank divides by the number of ranks. (The policy loss
+    of an SFT step is always -1 - the advantage times a ratio of 1 - so progress is reported as the NLL instead.)
+    ``engine``: the :class:`~lightning_dta.EngineOptions` of the training and forward-only walks.
     """
     if steps < 0 or batch_size < 1:
         raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} >= 1")
@@ -83,11 +88,16 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
     nll_before = demonstration_nll(model, evaluation, engine)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss_fn = PolicyLoss()
+    copies = world_size() if is_sharded(model) else 1
     for step in range(steps):
         first = DEMONSTRATION_OFFSET + step * batch_size
-        rollouts = [demonstration_rollout(env, tokenizer, first + k, add_bos) for k in range(batch_size)]
+        tree = PrefixTree.from_rollouts([demonstration_rollout(env, tokenizer, first + k, add_bos)
+                                         for k in range(batch_size)])
         optimizer.zero_grad(set_to_none=True)
-        tree_backward(model, PrefixTree.from_rollouts(rollouts), loss_fn, engine=engine)
+        with unsharded(model):
+            tree_backward(model, tree, loss_fn, engine=engine,
+                          normalizer=tree_loss_normalizer(tree, loss_fn) * copies)
+        reduce_gradients(model)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return WarmStartResult(steps, nll_before, demonstration_nll(model, evaluation, engine),

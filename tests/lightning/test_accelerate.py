@@ -88,3 +88,64 @@ def test_refuses_sharded_and_fp16_setups() -> None:
     Fake.distributed_type.name, Fake.scaler = "MULTI_GPU", object()
     with pytest.raises(RuntimeError, match="fp16"):
         accelerate_tree_backward(Fake(), torch.nn.Linear(1, 1), None)
+
+
+class _FSDP2Accelerator:
+    """What accelerate_tree_backward reads from an Accelerator prepared with FullyShardedDataParallelPlugin
+    (fsdp_version=2). On a CPU Accelerate falls back to DDP, so the CPU test shards the model the way Accelerate's
+    FSDP2 path does (each decoder layer, then the root; gradients averaged by default)."""
+
+    distributed_type = type("T", (), {"name": "FSDP"})()
+    state = type("S", (), {"fsdp_plugin": type("P", (), {"fsdp_version": 2})()})()
+    scaler = None
+
+    @staticmethod
+    def unwrap_model(model):
+        return model
+
+
+def _fsdp2_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_dta.sharding import full_parameters
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    tree = rank_batch(grpo_rollouts(), rank, 2).tree
+    result = accelerate_tree_backward(_FSDP2Accelerator(), model, tree, dta.PolicyLoss(**LOSS))
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    optimizer.step()
+    weights = {n: t.detach().clone() for n, t in full_parameters(model) if n in dict(model.named_parameters())}
+    torch.save({"weights": weights, "loss": result.loss, "grad_norm": result.grad_norm},
+               os.path.join(out, f"fsdp{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_fsdp2_plugin_on_two_processes(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_fsdp2_worker, args=(port, str(tmp_path)), nprocs=2, join=True)
+    ref = reference_step(tiny_llama(), grpo_rollouts(), LOSS, lr=LR, clip=CLIP)
+    for rank in range(2):
+        check(torch.load(tmp_path / f"fsdp{rank}.pt", weights_only=False), ref)
+
+
+@pytest.mark.gpu
+def test_fsdp2_plugin_of_accelerate_on_a_gpu() -> None:
+    """The real FullyShardedDataParallelPlugin(fsdp_version=2) path (one GPU process: Accelerate prepares FSDP only
+    on CUDA); the multi-GPU run is ``accelerate launch`` of examples/accelerate_loop.py."""
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    result = accelerate_step(accelerator, 0, 1)
+    check(result, reference_step(tiny_llama(), grpo_rollouts(), LOSS, lr=LR, clip=CLIP))

@@ -1,0 +1,298 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) for DFS training: shard, run an engine call, reduce, gather, load.
+
+Why the engine needs more than ``fully_shard``. FSDP2 all-gathers a unit's parameters before each forward and
+reduce-scatters its gradients after each backward. Those are collectives: every rank must issue them in the same
+order. A DFS step runs one forward per sibling batch and one backward per pop, and every rank walks its own tree,
+so the ranks issue different numbers of them and the run hangs (measured: a reduce-scatter timeout on 2 gloo
+ranks with trees of 5 and 7 backwards). So an engine call on a sharded model runs inside :func:`unsharded`:
+
+1. every unit is all-gathered once, the same on every rank (one all-gather per unit);
+2. during the walk FSDP issues no collective at all: parameters stay unsharded
+   (``reshard_after_forward/backward=False``) and gradients accumulate unsharded
+   (``set_requires_gradient_sync(False)``), whatever each rank's tree;
+3. training only: :func:`reduce_gradients` runs one zero-weighted backward of one token with gradient sync on, on
+   every rank: FSDP reduce-scatters each unit's accumulated gradient once (a SUM: every rank already divided its
+   loss by the whole step's normaliser), and reshards.
+
+The alternative, a reduce-scatter after every backward, needs the same number of backwards on every rank
+(``docs/lightning.md`` has the measured trade). It saves the unsharded gradient buffer but sends a unit's
+gradient once per pop instead of once per step; BENCHMARKS.md counts both.
+
+Also here: sharding a Hugging Face model (each decoder layer and the root), building it on the meta device and
+loading a local Hugging Face checkpoint into the shards (``torch.distributed.checkpoint.HuggingFaceStorageReader``:
+every rank reads only its slices), exporting a plain Hugging Face checkpoint from the shards
+(``HuggingFaceStorageWriter``), gathering full parameters one at a time (the generator's weight refresh), and
+counting the bytes each rank holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import shutil
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:  # FSDP2 (torch >= 2.4); the package works without it (``dta`` replicates)
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = None
+
+
+class ShardingError(TypeError):
+    """A model or set-up that sharded training cannot run exactly; the message says what to change."""
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The modules ``fully_shard`` was applied to, parents before children (root first)."""
+    return [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return bool(fsdp_units(model))
+
+
+def decoder_layers(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> list[nn.Module]:
+    """The modules to shard one by one: instances of the classes named in ``wrap_modules``, or of the model's own
+    ``_no_split_modules`` (Hugging Face lists its decoder layer class there, e.g. ``LlamaDecoderLayer``)."""
+    names = set(wrap_modules or getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not layers:
+        raise ShardingError(
+            f"found no decoder layers to shard in {type(model).__name__} (looked for "
+            f"{sorted(names) or 'its _no_split_modules, which it does not declare'}). Fix: "
+            "DTAFSDPStrategy(wrap_modules=['MyDecoderLayer']) with the class name of the model's repeated block")
+    return layers
+
+
+def shard(model: nn.Module, mesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+          reshard_after_forward: bool = True, offload: bool = False,
+          wrap_modules: Sequence[str] | None = None) -> nn.Module:
+    """``fully_shard`` each decoder layer, then the root, over the 1-D data-parallel ``mesh``; gradients are summed
+    over ranks (not averaged: each rank's loss is already divided by the whole step's normaliser)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    kwargs = dict(mesh=mesh, reshard_after_forward=reshard_after_forward,
+                  offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    for layer in decoder_layers(model, wrap_modules):
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    sum_over_ranks(model)
+    model._lightning_dta_sharding = dict(mesh=mesh, mp_policy=mp_policy,  # for sharded_copy
+                                         reshard_after_forward=reshard_after_forward, offload=offload,
+                                         wrap_modules=wrap_modules)
+    return model
+
+
+def _empty_like(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A model of the same architecture: parameters on the meta device, buffers copied (real)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)  # never shared: the attention switch edits a config during a forward
+    with init_empty_weights(include_buffers=False):
+        empty = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            module_name, _, buffer_name = name.rpartition(".")
+            (empty.get_submodule(module_name) if module_name else empty)._buffers[buffer_name] = buffer.clone()
+    return empty
+
+
+def sharded_copy(model: nn.Module) -> nn.Module:
+    """A frozen copy of a sharded model, sharded the same way (FSDP2 refuses ``copy.deepcopy``): built on the meta
+    device, sharded with ``model``'s settings and given ``model``'s shards (a local copy, no communication)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    recipe = getattr(model, "_lightning_dta_sharding", None)
+    if recipe is None:
+        raise ShardingError("this model was sharded outside lightning_dta.sharding.shard, so its sharding cannot be "
+                            "repeated for a copy. Fix: shard it with lightning_dta.sharding.shard")
+    device = next(p.device for p in model.parameters())
+    buffers = dict(model.named_buffers())
+    frozen = shard(_empty_like(model, next(model.parameters()).dtype), **recipe)
+    materialize(frozen, device, buffers)
+    set_model_state_dict(frozen, get_model_state_dict(model))
+    return frozen.requires_grad_(False).eval()
+
+
+def unsharded_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """An ordinary (unsharded) copy of a sharded model on its device, e.g. for a generator: parameters gathered one
+    at a time (a collective: every rank calls it), cast to ``dtype`` (default the compute dtype of the shards)."""
+    device = next(p.device for p in model.parameters())
+    dtype = dtype or next(model.parameters()).dtype
+    empty = _empty_like(model, dtype)
+    empty.to_empty(device=device)
+    copy_weights(model, empty)
+    return empty.requires_grad_(False)
+
+
+def copy_weights(source: nn.Module, target: nn.Module) -> None:
+    """Copy ``source``'s parameters and buffers (sharded or not: gathered one at a time) into the same-named
+    tensors of the unsharded ``target``, in ``target``'s dtypes."""
+    mine = dict(target.named_parameters()) | dict(target.named_buffers())
+    theirs = {n for n, _ in [*source.named_parameters(), *source.named_buffers()]}
+    if theirs != set(mine):
+        raise ValueError(f"the models have different parameters (e.g. {sorted(theirs ^ set(mine))[:5]}); "
+                         "give a copy of the same architecture")
+    with torch.no_grad():
+        for name, full in full_parameters(source):
+            mine[name].copy_(full)
+
+
+def sum_over_ranks(model: nn.Module) -> None:
+    """Make FSDP sum gradients over ranks instead of averaging them (each rank's loss is already divided by the
+    whole step's normaliser), with a plain SUM (gloo has no pre-multiplied sum)."""
+    for unit in fsdp_units(model):
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module, training: bool = True) -> Iterator[None]:
+    """Run one engine call with every FSDP unit unsharded and no FSDP collective inside (module docstring). Every
+    rank must enter it, also a rank without a tree. A no-op for an unsharded model."""
+    units = fsdp_units(model)
+    if not units:
+        yield
+        return
+    root = units[0]
+    root.set_reshard_after_forward(False)
+    root.set_reshard_after_backward(False)
+    root.set_requires_gradient_sync(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        if not training:
+            for unit in units:
+                unit.reshard()
+
+
+def reduce_gradients(model: nn.Module) -> None:
+    """After :func:`unsharded` (training): reduce-scatter every unit's accumulated gradient once, then reshard. One
+    zero-weighted backward of one token on every rank makes FSDP run its own reduction; it adds exactly zero."""
+    units = fsdp_units(model)
+    if not units:
+        return
+    root = units[0]
+    root.set_requires_gradient_sync(True)
+    root.set_reshard_after_backward(True)
+    device = next(p.device for p in model.parameters())
+    with torch.enable_grad():
+        logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False).logits
+        (logits.float().sum() * 0.0).backward()
+    for unit in units:
+        unit.reshard()
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (the tensor itself when it is not sharded)."""
+    return tensor.to_local() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` for every parameter and buffer, one at a time: a sharded one is all-gathered (a
+    collective: every rank must iterate, in the same order) and freed before the next, so no rank ever holds more
+    than one full tensor besides its shards."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        yield name, tensor.full_tensor() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+
+
+def state_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """The bytes of parameters, gradients and optimizer state this rank holds (storage of its shards, not RSS)."""
+
+    def size(t: torch.Tensor) -> int:
+        local = local_tensor(t)
+        return local.numel() * local.element_size()
+
+    params = [p for p in model.parameters()]
+    counts = {"parameters": sum(size(p) for p in params),
+              "gradients": sum(size(p.grad) for p in params if p.grad is not None),
+              "optimizer": sum(size(v) for opt in optimizers for state in opt.state.values()
+                               for v in state.values() if isinstance(v, torch.Tensor))}
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def materialize(model: nn.Module, device: torch.device, buffers: dict[str, torch.Tensor]) -> None:
+    """Allocate a meta-initialised, sharded model on ``device`` (uninitialised) and put back its buffers (built
+    real at init: ``to_empty`` would leave RoPE frequencies as garbage)."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, value in buffers.items():
+            module_name, _, buffer_name = name.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            module._buffers[buffer_name] = value.to(device)
+
+
+def load_hf_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """Load a local Hugging Face checkpoint (safetensors) into the sharded ``model``: every rank reads only the
+    slices of its own shards, so no rank holds the whole model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    state = get_model_state_dict(model)
+    tied = _tied_keys(model, state)
+    wanted = {k: v for k, v in state.items() if k not in tied}
+    dcp.load(wanted, storage_reader=HuggingFaceStorageReader(str(path)))
+    set_model_state_dict(model, wanted, options=_non_strict())
+
+
+def export_hf_checkpoint(model: nn.Module, out_dir: str | Path) -> Path:
+    """Write ``model`` (sharded or not) as a plain Hugging Face checkpoint (``config.json`` + safetensors), loadable
+    with ``AutoModelForCausalLM.from_pretrained``. Every rank calls it; each writes its shards, which rank 0 then
+    consolidates into the ``save_pretrained`` layout. Tied weights are written once, as ``save_pretrained`` does."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if not is_sharded(model):
+        if rank == 0:
+            model.save_pretrained(out)
+        return out
+    state = get_model_state_dict(model, options=StateDictOptions(cpu_offload=False))
+    tied = _tied_keys(model, state)
+    state = {k: v for k, v in state.items() if k not in tied}
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out), save_distributed=True,
+                                                            enable_consolidation=True))
+    if rank == 0:
+        model.config.save_pretrained(out)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(out)
+        shutil.rmtree(out / "sharded", ignore_errors=True)  # the per-rank files the consolidation read
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def _tied_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """State-dict keys that alias another parameter (``lm_head.weight`` tied to the embeddings)."""
+    tied = getattr(model, "_tied_weights_keys", None) or ()
+    if isinstance(tied, dict):
+        tied = tied.keys()
+    config = getattr(model, "config", None)
+    if config is not None and not getattr(config, "tie_word_embeddings", False):
+        return set()
+    return {k for k in tied if k in state}
+
+
+def _non_strict():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(strict=False)
