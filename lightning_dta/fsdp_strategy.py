@@ -46,7 +46,8 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
         wrap_modules: class names of the blocks to shard one by one (default: the model's ``_no_split_modules``).
         reshard_after_forward: FSDP2's option for forwards outside the DFS step (the step keeps every unit
             unsharded from its first forward to its last backward, whatever this says).
-        cpu_offload: keep the shards (and their optimizer state) in CPU memory (FSDP2 ``CPUOffloadPolicy``).
+        cpu_offload: keep the shards (and their optimizer state) in CPU memory between their uses on the GPU (FSDP2
+            ``CPUOffloadPolicy``; GPU only, not run here).
         save_distributed_checkpoint: checkpoints as a folder of per-rank shards (default) or one gathered file.
         process_group_backend, timeout: as for Lightning's strategies.
     """
@@ -93,6 +94,9 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
         if getattr(self.precision_plugin, "precision", None) == "16-mixed":
             raise RuntimeError("precision='16-mixed' scales the loss in manual_backward, which a DFS step does not "
                                "call. Fix: precision='bf16-mixed', 'bf16-true' or '32-true'.")
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ShardingError("cpu_offload keeps the shards in CPU memory between their uses on a GPU; the model "
+                                "already runs on the CPU. Fix: cpu_offload=False (or train on GPUs)")
         model = getattr(module, "model", None)
         if not isinstance(model, nn.Module):
             raise ShardingError(f"strategy='dta_fsdp' shards `{type(module).__name__}.model`, the causal LM; it is "
