@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dta.engine.device import host_values
 from lightning_dta.engine.dfs import DFSWalk
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.mask import mask_backward
@@ -70,7 +71,8 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     engine = EngineOptions.resolve(engine, **overrides)
     loss_fn = loss_fn or PolicyLoss()
     info = inspect_model(model, uses_cache=engine.mode != "vanilla",
-                         prefix_attention=engine.prefix_attention if engine.mode == "dfs" else False)
+                         prefix_attention=engine.prefix_attention if engine.mode == "dfs" else False,
+                         prefix_attention_backend=engine.prefix_attention_backend)
     _check_supported(model, info, tree, engine)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
@@ -81,6 +83,7 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
         total = vanilla_backward(model, info, tree, step, loss_fn, sums, engine.vanilla_batch_tokens)
     else:
         total = mask_backward(model, info, tree, step, loss_fn, sums, engine.mask_max_tokens)
-    sums = {key: float(value) for key, value in sums.items()}
-    return TreeBackwardOutput(loss=float(total), metrics=metrics_from_sums(sums), sums=sums, stats=tree.stats,
+    total, *values = host_values([total, *sums.values()], info.device)  # the step's one host read
+    sums = dict(zip(sums, values))
+    return TreeBackwardOutput(loss=total, metrics=metrics_from_sums(sums), sums=sums, stats=tree.stats,
                               normalizer=step.normalizer)

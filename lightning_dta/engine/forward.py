@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
 from lightning_dta.engine.model_info import ModelInfo
@@ -55,13 +56,13 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
     enabled.
     """
     device = info.device
-    input_ids, positions = batch.input_ids().to(device), batch.positions().to(device)
+    input_ids, positions = to_device(batch.input_ids(), device), to_device(batch.positions(), device)
     kept = None if columns is None else batch.keep(columns)
     kwargs = {}
     if info.logits_to_keep and kept is not None:
-        kwargs["logits_to_keep"] = kept.to(device)
+        kwargs["logits_to_keep"] = to_device(kept, device)
     if info.packs_siblings:
-        with attention_switch(info.prefix_attention_configs, past, batch.spans) as switched:
+        with attention_switch(info.prefix_attention_configs, info.attention_backend, past, batch.spans) as switched:
             logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits
         recorder = switched.new_kv
     else:
@@ -84,7 +85,7 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
     if kept is None:  # every position
         return batch.split_all(logits), recorder.kv()
     if not info.logits_to_keep:
-        logits = logits[:, kept.to(logits.device)]
+        logits = logits[:, to_device(kept, logits.device)]
     return batch.split_logits(logits, kept, columns), recorder.kv()
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dta.engine.device import expected_sync, to_device
 from lightning_dta.engine.forward import forward_batch
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
@@ -37,7 +38,9 @@ class LogprobWalk(TreeWalk):
 
     def logprobs(self) -> list[torch.Tensor]:
         self.run()
-        if bool(torch.isnan(self.out).any()):  # every position is written exactly once by construction
+        with expected_sync(self.out.device):  # after the walk: its one host read
+            unset = bool(torch.isnan(self.out).any())
+        if unset:  # every position is written exactly once by construction
             raise RuntimeError("tree_logprobs left positions unset; this is a bug in lightning_dta")
         return list(torch.split(self.out, (self.step.lengths - 1).tolist()))
 
@@ -47,12 +50,16 @@ class LogprobWalk(TreeWalk):
             return
         count = targets.columns.numel()
         # columns are sorted and unique: ending at count-1 means 0..count-1, a view instead of a gathered copy
-        rows = logits[:count] if int(targets.columns[-1]) == count - 1 else logits[targets.columns.to(logits.device)]
+        device = self.out.device
+        rows = logits[:count] if int(targets.columns[-1]) == count - 1 else logits[to_device(targets.columns, device)]
         logp, _ = token_scores(rows, targets.token_ids, self.out.dtype, with_entropy=False)
         target_pos = chunk.start + targets.columns  # position p predicts token p+1, stored at entry p
         index = self.out_offsets[targets.rollouts][:, None] + target_pos[None, :]
-        valid = (target_pos[None, :] + 1) < self.step.lengths[targets.rollouts][:, None]
-        self.out[index[valid].to(self.out.device)] = logp[valid.to(logp.device)]
+        valid = ((target_pos[None, :] + 1) < self.step.lengths[targets.rollouts][:, None]).flatten()
+        # which entries to write is decided on the host: boolean indexing on the device would wait for it
+        picked = torch.nonzero(valid).flatten()
+        self.out.index_copy_(0, to_device(index.flatten()[picked], device),
+                             logp.flatten().index_select(0, to_device(picked, device)))
 
     def visit_batch(self, chunks: list[Chunk]) -> None:
         batch = SiblingBatch.of(self.tree, chunks, self.info.packs_siblings)
@@ -75,7 +82,8 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
     (``mode``, ``activation``, ...) are ignored.
     """
     engine = EngineOptions.resolve(engine, **overrides)
-    info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention)
+    info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention,
+                         prefix_attention_backend=engine.prefix_attention_backend)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     with torch.no_grad():
         return LogprobWalk(model, info, tree, engine).logprobs()

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dta.engine.attention_backends import AttentionBackend, choose_backend
+from lightning_dta.engine.attention_check import check_kernels, fall_back
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.prefix_attention import (
     attention_configs,
@@ -39,6 +41,7 @@ class ModelInfo:
     # configs whose attention the attention switch turns into prefix attention during a forward (empty: the
     # model's own attention with a KV cache and a causal mask)
     prefix_attention_configs: tuple = ()
+    attention_backend: AttentionBackend | None = None  # prefix attention's kernels (with the configs above)
     num_layers: int | None = None  # decoder layers, each of which must hand over its new keys/values
 
     @property
@@ -71,12 +74,39 @@ def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
     return vocab_size, max_positions
 
 
-def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | None) -> ModelInfo:
+def compute_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in: the autocast dtype under autocast (mixed precision), else the model's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model_dtype
+
+
+def choose_prefix_attention(model: nn.Module, device: torch.device, dtype: torch.dtype, num_layers: int | None,
+                            backend_name: str | None) -> tuple[tuple, AttentionBackend | None, str | None]:
+    """The configs to switch and the kernels of prefix attention, or why it cannot run: the model's
+    configuration, a backend for the device and dtype, the probe forward and the kernels' self-check."""
+    configs = attention_configs(model)
+    reason = unsupported_reason(model, configs)
+    if reason:
+        return (), None, reason
+    backend, reason = choose_backend(backend_name, device, dtype)
+    if backend is None:
+        return (), None, reason
+    result = probe(model, num_layers, backend, dtype)
+    if result.reason:
+        return (), None, fall_back(result.reason) if result.kernel_failed else result.reason
+    reason = check_kernels(backend, device, result.shape)
+    return ((), None, reason) if reason else (configs, backend, None)
+
+
+def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | None,
+                  prefix_attention_backend: str | None) -> ModelInfo:
     """Check that ``model`` can take a KV cache and is not in a mode that silently drops it.
 
     ``uses_cache=False`` (the per-rollout baseline) allows transformers gradient checkpointing, which is then
     harmless: it only drops caches, and that mode passes none. ``prefix_attention``: ``None`` uses
-    :mod:`prefix_attention` where the model supports it, ``True`` requires it, ``False`` never uses it.
+    :mod:`prefix_attention` where the model supports it, ``True`` requires it, ``False`` never uses it; its
+    kernels are ``prefix_attention_backend`` (``None``: the device's default).
     """
     params = _forward_parameters(model)
     if "cache" in params:
@@ -107,17 +137,15 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         raise ModelNotSupportedError(
             f"{type(model).__name__} has layers of type {cacheless}, which keep no keys/values: a shared prefix "
             "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
-    configs = ()
+    configs, backend = (), None
     if uses_cache and prefix_attention is not False:
-        candidates = attention_configs(model)
-        reason = unsupported_reason(model, first.device, candidates) or probe(model, num_layers)
-        if reason is None:
-            configs = candidates
-        elif prefix_attention:
+        configs, backend, reason = choose_prefix_attention(
+            model, first.device, compute_dtype(first.dtype, first.device), num_layers, prefix_attention_backend)
+        if reason and prefix_attention:
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, attn_implementation, configs, num_layers)
+                     dropout, attn_implementation, configs, backend, num_layers)
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 Mode = Literal["dfs", "vanilla", "mask"]
 Activation = Literal["keep", "recompute"]
 Order = Literal["leaves-first", "tree"]
+AttentionBackendName = Literal["cpu-flash", "cuda-flash", "flash-attn", "reference"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,14 @@ class EngineOptions:
     over the prefix for all packed siblings, one causal call per chunk, merged by log-sum-exp). null: where the
     model supports it; true: required; false: the model's own attention over a KV cache."""
 
+    prefix_attention_backend: AttentionBackendName | None = None
+    """dfs and forward-only walks: prefix attention's kernels: "cpu-flash" (PyTorch's CPU flash attention),
+    "cuda-flash" (PyTorch's CUDA varlen flash kernels), "flash-attn" (the flash_attn package) or "reference"
+    (plain PyTorch, any device and dtype, materialises the scores: for tests). null: the device's default
+    (cpu-flash on the CPU; cuda-flash, else flash-attn, on CUDA in bf16/fp16). Every backend is checked against
+    the model's attention on the device before the first step, and falls back to it with a warning if they
+    disagree."""
+
     mask_max_tokens: int | None = None
     """mask: pack at most this many tree tokens per forward (sharing across packs is lost); null: whole tree."""
 
@@ -60,10 +69,10 @@ class EngineOptions:
         hints = get_type_hints(type(self))
         for spec in dataclasses.fields(self):
             value = getattr(self, spec.name)
-            choices = get_args(hints[spec.name])
-            if all(isinstance(c, str) for c in choices) and choices:  # a Literal of names
-                if value not in choices:
-                    raise ValueError(f"EngineOptions.{spec.name}={value!r}; choose one of {list(choices)}")
+            names = _names(hints[spec.name])
+            if names:  # a Literal of names, or of names and null
+                if value not in names:
+                    raise ValueError(f"EngineOptions.{spec.name}={value!r}; choose one of {list(names)}")
             elif spec.name == "prefix_attention":
                 if value not in (None, True, False):
                     raise ValueError(f"EngineOptions.prefix_attention={value!r}; use null, true or false")
@@ -96,6 +105,18 @@ def _known(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _names(hint: Any) -> tuple:
+    """The values a ``Literal`` type (or ``Literal | None``) allows; ``()`` for any other type."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)
+    args = get_args(hint)
+    if type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and get_origin(inner[0]) is Literal:
+            return (*get_args(inner[0]), None)
+    return ()
+
+
 def choices(field_name: str) -> tuple[str, ...]:
-    """The allowed values of a ``Literal`` field of :class:`EngineOptions` (e.g. ``choices("mode")``)."""
-    return get_args(get_type_hints(EngineOptions)[field_name])
+    """The allowed names of a ``Literal`` field of :class:`EngineOptions` (e.g. ``choices("mode")``)."""
+    return tuple(n for n in _names(get_type_hints(EngineOptions)[field_name]) if n is not None)

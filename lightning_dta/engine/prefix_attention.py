@@ -3,23 +3,23 @@
 A chunk's queries attend to two blocks of keys: the path's prefix (every query sees all of it) and the
 chunk's own keys (causally). The model's own attention gets them as one concatenated key tensor per row plus
 an explicit lower-right causal mask, which copies the prefix into every batch row, materialises the mask and
-keeps the kernel from skipping masked blocks. Here the two blocks run as two flash-attention calls and are
-merged with their log-sum-exps, as in cascade / shared-prefix attention kernels:
+keeps the kernel from skipping masked blocks. Here the two blocks run as two varlen flash-attention calls and
+are merged with their log-sum-exps, as in cascade / shared-prefix attention kernels:
 
 - sibling chunks are packed one after another into a single row (no padding; the linear layers see one long
-  sequence), and the prefix block runs once for all of them (``[1, heads, tokens, dim]`` against
-  ``[1, kv_heads, prefix, dim]``), so the gradient that reaches the shared keys/values is already summed;
-- the own block is a square causal attention per chunk (``is_causal=True``, which skips masked blocks), so
-  packed chunks never see each other.
+  sequence), and the prefix block runs once for all of them (all ``T`` queries against the ``P`` prefix keys),
+  so the gradient that reaches the shared keys/values is already summed;
+- the own block is one causal varlen call whose sequences are the chunks (each chunk its own causal square),
+  so packed chunks never see each other.
 
 Backward calls each block's flash backward with the *merged* output and log-sum-exp, which gives that
 block's exact share of the gradient (the softmax normaliser and ``rowsum(dO * O)`` are the full row's).
 
-It plugs into transformers as an attention implementation that the *attention switch*
-(:func:`attention_switch`) turns on only for the duration of one sibling batch's forward; the chunks' new
-keys/values (after RoPE) are recorded on the way (:class:`~lightning_dta.engine.kv.KVRecorder`), so no KV
-cache object is involved. The kernels are PyTorch's CPU flash attention; on other devices the engine keeps
-the model's own attention with a KV cache and a mask.
+The kernels are a backend (:mod:`~lightning_dta.engine.attention_backends`: CPU flash, CUDA varlen flash,
+flash-attn, or the pure-PyTorch reference). It plugs into transformers as an attention implementation that
+the *attention switch* (:func:`attention_switch`) turns on only for the duration of one sibling batch's
+forward; the chunks' new keys/values (after RoPE) are recorded on the way
+(:class:`~lightning_dta.engine.kv.KVRecorder`), so no KV cache object is involved.
 """
 
 from __future__ import annotations
@@ -35,90 +35,124 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from lightning_dta.engine.attention_backends import AttentionBackend, Varlen
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
 
 ATTENTION_NAME = "lightning_dta_prefix"
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
 Spans = tuple[tuple[int, int], ...]  # (offset, length) of each sibling chunk packed into one row
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """The varlen offsets of one forward (shared by all layers): the packed chunks (``spans``, each its own
+    causal sequence) and, when there is a prefix, all queries as one sequence (``queries``) over it
+    (``prefix``)."""
+
+    spans: Varlen
+    queries: Varlen | None = None
+    prefix: Varlen | None = None
+
+    @classmethod
+    def of(cls, spans: Spans, prefix_length: int, device: torch.device) -> PackedLayout:
+        lengths = tuple(n for _, n in spans)
+        if prefix_length == 0:
+            return cls(Varlen.of(lengths, device))
+        return cls(Varlen.of(lengths, device), Varlen.of((sum(lengths),), device), Varlen.of((prefix_length,), device))
+
+
+def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+    """``[1, heads, tokens, dim]`` (transformers' layout) as the varlen ``[tokens, heads, dim]``, a view."""
+    return t[0].transpose(0, 1)
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)[None]
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two key blocks from each block's output ``[T, H, D]`` and log-sum-exp ``[H, T]``."""
+    merged = torch.logaddexp(lse, other_lse)
+    weight, other_weight = torch.exp(lse - merged).t()[..., None], torch.exp(other_lse - merged).t()[..., None]
+    return (out * weight + other * other_weight).to(out.dtype), merged
 
 
 class PrefixCausalAttention(torch.autograd.Function):
     """softmax over [prefix keys, own keys (causal within each span)] for packed sibling chunks.
 
-    ``query`` ``[1, H, T, D]`` holds the chunks one after another (``spans``); the prefix ``[1, Hkv, P, D]`` is
-    shared by all of them; own keys/values ``[1, Hkv, T, D]``. Grouped-query heads are native to the kernels.
+    ``query`` ``[1, H, T, D]`` holds the chunks one after another (``layout.spans``); the prefix ``[1, Hkv, P,
+    D]`` is shared by all of them; own keys/values ``[1, Hkv, T, D]``. Returns ``[1, T, H, D]``. Two calls of
+    ``backend``: one causal varlen call for all spans, one call of all queries over the prefix; merged by
+    log-sum-exp, and each block's backward is called with the merged output and log-sum-exp.
     """
 
     @staticmethod
-    def forward(ctx, query, prefix_keys, prefix_values, keys, values, spans, scale):
-        out, lse = _causal_spans(query, keys, values, spans, scale)
+    def forward(ctx, query, prefix_keys, prefix_values, keys, values, layout: PackedLayout, scale: float,
+                backend: AttentionBackend):
+        q, k, v = _tokens_first(query), _tokens_first(keys), _tokens_first(values)
+        out, lse = backend.forward(q, k, v, layout.spans, layout.spans, True, scale)
         if prefix_keys is not None:
-            shared, shared_lse = _flash(query, prefix_keys, prefix_values, 0.0, False, scale=scale)
-            merged = torch.logaddexp(shared_lse, lse)
-            out = (shared * torch.exp(shared_lse - merged)[..., None]
-                   + out * torch.exp(lse - merged)[..., None]).to(query.dtype)
-            lse = merged
+            shared, shared_lse = backend.forward(q, _tokens_first(prefix_keys), _tokens_first(prefix_values),
+                                                 layout.queries, layout.prefix, False, scale)
+            out, lse = merge(out, lse, shared, shared_lse)
         ctx.save_for_backward(query, keys, values, out, lse)
         # The prefix is a view of the path buffers, which are written beyond it while this graph is alive
         # (siblings' subtrees); positions below the chunks' start never change before their pop, so it is
         # kept by reference instead of through the version-checked saved-tensor mechanism.
         ctx.prefix = (prefix_keys, prefix_values)
-        ctx.spans, ctx.scale = spans, scale
-        return out
+        ctx.layout, ctx.scale, ctx.backend = layout, scale, backend
+        return out[None]
 
     @staticmethod
     def backward(ctx, grad_out):
         query, keys, values, out, lse = ctx.saved_tensors
         prefix_keys, prefix_values = ctx.prefix
-        grad_out = grad_out.contiguous()
-        if len(ctx.spans) == 1:
-            grad_query, grad_keys, grad_values = _flash_backward(grad_out, query, keys, values, out, lse, 0.0, True,
-                                                                 scale=ctx.scale)
-        else:
-            grad_query, grad_keys, grad_values = (torch.empty_like(query), torch.empty_like(keys),
-                                                  torch.empty_like(values))
-            for a, n in ctx.spans:
-                s = slice(a, a + n)
-                grads = _flash_backward(grad_out[:, :, s], query[:, :, s], keys[:, :, s], values[:, :, s],
-                                        out[:, :, s], lse[:, :, s], 0.0, True, scale=ctx.scale)
-                for total, part in zip((grad_query, grad_keys, grad_values), grads):
-                    total[:, :, s] = part
+        layout, scale, backend = ctx.layout, ctx.scale, ctx.backend
+        q, k, v = _tokens_first(query), _tokens_first(keys), _tokens_first(values)
+        grad_out = grad_out[0].contiguous()
+        grad_q, grad_k, grad_v = backend.backward(grad_out, q, k, v, out, lse, layout.spans, layout.spans, True,
+                                                  scale)
         grad_prefix_keys = grad_prefix_values = None
         if prefix_keys is not None:
-            grad_shared_query, grad_prefix_keys, grad_prefix_values = _flash_backward(
-                grad_out, query, prefix_keys, prefix_values, out, lse, 0.0, False, scale=ctx.scale)
-            grad_query += grad_shared_query
-        return grad_query, grad_prefix_keys, grad_prefix_values, grad_keys, grad_values, None, None
+            grad_shared_q, grad_prefix_keys, grad_prefix_values = backend.backward(
+                grad_out, q, _tokens_first(prefix_keys), _tokens_first(prefix_values), out, lse, layout.queries,
+                layout.prefix, False, scale)
+            grad_q = grad_q + grad_shared_q
+            grad_prefix_keys, grad_prefix_values = _heads_first(grad_prefix_keys), _heads_first(grad_prefix_values)
+        return (_heads_first(grad_q), grad_prefix_keys, grad_prefix_values, _heads_first(grad_k),
+                _heads_first(grad_v), None, None, None)
 
 
-def _causal_spans(query, keys, values, spans: Spans, scale):
-    """Causal attention within each span (packed chunks do not see each other): output and log-sum-exp."""
-    if len(spans) == 1:
-        return _flash(query, keys, values, 0.0, True, scale=scale)
-    out = lse = None
-    for a, n in spans:
-        s = slice(a, a + n)
-        span_out, span_lse = _flash(query[:, :, s], keys[:, :, s], values[:, :, s], 0.0, True, scale=scale)
-        if out is None:
-            out = query.new_empty(query.shape)
-            lse = span_lse.new_empty(query.shape[:3])
-        out[:, :, s], lse[:, :, s] = span_out, span_lse
-    return out, lse
+@dataclass(frozen=True)
+class AttentionShape:
+    """What one attention call of the model looks like (the self-check runs the kernels on these shapes)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
 
 
 @dataclass
 class SwitchedForward:
-    """One forward under the attention switch: the prefix each layer attends to, the packed spans, and the
-    record of the new keys/values each layer produced."""
+    """One forward under the attention switch: the kernels, the prefix each layer attends to, the packed spans,
+    the record of the new keys/values each layer produced, and (from its first call) the attention shape."""
 
+    backend: AttentionBackend
     past: KV | None
     spans: Spans
     new_kv: KVRecorder = field(default_factory=KVRecorder)
+    shape: AttentionShape | None = None
+    _layout: PackedLayout | None = None
+
+    def layout(self, prefix_length: int, device: torch.device) -> PackedLayout:
+        """The varlen offsets, built (and copied to the device) once per forward, not once per layer."""
+        if self._layout is None:
+            self._layout = PackedLayout.of(self.spans, prefix_length, device)
+        return self._layout
 
 
 _ACTIVE: ContextVar[SwitchedForward | None] = ContextVar("lightning_dta_prefix_attention", default=None)
@@ -161,6 +195,10 @@ def _unsupported_call(module: nn.Module, forward: SwitchedForward, prefix_length
     return None
 
 
+class KernelError(RuntimeError):
+    """The prefix-attention backend failed on a call (the model's set-up was fine)."""
+
+
 def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              **kwargs) -> tuple[torch.Tensor, None]:
@@ -174,11 +212,20 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     reason = _unsupported_call(module, forward, prefix_length, attention_mask, dropout, kwargs)
     if reason is None and query.shape[0] != 1:
         reason = "the batch has more than one row (prefix attention takes chunks packed into one row)"
+    reason = reason or forward.backend.unsupported_shape(query.shape[-1]) or \
+        forward.backend.unsupported(query.device, query.dtype)
     if reason is not None:
         raise UnsupportedAttention(reason)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if forward.shape is None:
+        forward.shape = AttentionShape(query.shape[1], key.shape[1], query.shape[-1], query.dtype, scale)
     forward.new_kv.record(layer, key, value)
-    out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, forward.spans, scaling)
-    return out.transpose(1, 2), None
+    layout = forward.layout(prefix_length, query.device)
+    try:
+        out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, layout, scale, forward.backend)
+    except Exception as error:
+        raise KernelError(f"prefix attention's {forward.backend.name!r} kernels failed: {error}") from error
+    return out, None
 
 
 AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
@@ -203,16 +250,18 @@ def attention_configs(model: nn.Module) -> tuple:
     return tuple(configs.values())
 
 
-def unsupported_reason(model: nn.Module, device: torch.device, configs: tuple) -> str | None:
+REPLACEABLE = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})  # plain softmax attention
+
+
+def unsupported_reason(model: nn.Module, configs: tuple) -> str | None:
     """Why the model's configuration rules prefix attention out (``None``: nothing does; :func:`probe` decides).
     ``configs``: :func:`attention_configs` of the model."""
-    if device.type != "cpu":
-        return f"its kernels are PyTorch's CPU flash attention and the model is on {device.type}"
     if not configs:
         return "no attention module has a layer_idx"
     implementations = {original_implementation(c) for c in configs}
-    if not implementations <= {"sdpa", "eager"}:
-        return f"attn_implementation={sorted(map(str, implementations))} (prefix attention replaces 'sdpa' or 'eager')"
+    if not implementations <= REPLACEABLE:
+        return (f"attn_implementation={sorted(map(str, implementations))} (prefix attention replaces "
+                f"{sorted(REPLACEABLE)})")
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
@@ -224,38 +273,53 @@ def unsupported_reason(model: nn.Module, device: torch.device, configs: tuple) -
     return None
 
 
-_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {training: reason or None}
+@dataclass(frozen=True)
+class ProbeResult:
+    """What the probe forward found: why prefix attention cannot run (``None``: it can), whether the kernels
+    themselves failed (rather than the model's set-up), and the shape of the model's attention calls."""
+
+    reason: str | None
+    kernel_failed: bool = False
+    shape: AttentionShape | None = None
 
 
-def probe(model: nn.Module, num_layers: int | None) -> str | None:
-    """Run one 2-token forward under prefix attention, checking every attention call (masks, dropout, extra
-    arguments, layers called twice or not at all); the reason it cannot be used, or ``None``. Cached per model
-    and train/eval mode; every later call is checked the same way and raises if something changed."""
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(training, dtype, backend): result}
+
+
+def probe(model: nn.Module, num_layers: int | None, backend: AttentionBackend, dtype: torch.dtype) -> ProbeResult:
+    """Run one 2-token forward under prefix attention with ``backend``, checking every attention call (masks,
+    dropout, extra arguments, layers called twice or not at all). Cached per model, train/eval mode, compute
+    ``dtype`` and backend; every later call is checked the same way and raises if something changed."""
     results = _PROBED.setdefault(model, {})
-    if model.training not in results:
+    key = (model.training, dtype, type(backend), backend.name)
+    if key not in results:
         device = next(model.parameters()).device
-        reason = None
         try:
             # fork_rng: the probe must not shift the random stream of training (dropout, router noise)
             with torch.random.fork_rng(devices=[]), torch.no_grad(), \
-                    attention_switch(attention_configs(model), None, ((0, 2),)) as forward:
+                    attention_switch(attention_configs(model), backend, None, ((0, 2),)) as forward:
                 model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device),
                       position_ids=torch.arange(2, device=device)[None], use_cache=False)
+            result = ProbeResult(None, shape=forward.shape)
             if num_layers is not None and len(forward.new_kv) != num_layers:
-                reason = f"only {len(forward.new_kv)} of its {num_layers} layers call the attention interface"
+                result = ProbeResult(f"only {len(forward.new_kv)} of its {num_layers} layers call the attention "
+                                     "interface")
         except UnsupportedAttention as error:
-            reason = error.reason
-        results[model.training] = reason
-    return results[model.training]
+            result = ProbeResult(error.reason)
+        except KernelError as error:
+            result = ProbeResult(str(error), kernel_failed=True)
+        results[key] = result
+    return results[key]
 
 
 @contextmanager
-def attention_switch(configs: tuple, past: KV | None, spans: Spans) -> Iterator[SwitchedForward]:
-    """The attention switch: run the model's attention as prefix attention over ``past`` for one forward of the
-    packed chunks ``spans``; yields the forward's record (its ``new_kv``). The switch is undone on exit, even on
-    error. Another thread using the same model meanwhile would run prefix attention too and fail loudly: a
-    model being trained is not for concurrent use."""
-    forward = SwitchedForward(past, spans)
+def attention_switch(configs: tuple, backend: AttentionBackend, past: KV | None, spans: Spans
+                     ) -> Iterator[SwitchedForward]:
+    """The attention switch: run the model's attention as prefix attention (``backend``'s kernels) over
+    ``past`` for one forward of the packed chunks ``spans``; yields the forward's record (its ``new_kv``). The
+    switch is undone on exit, even on error. Another thread using the same model meanwhile would run prefix
+    attention too and fail loudly: a model being trained is not for concurrent use."""
+    forward = SwitchedForward(backend, past, spans)
     token = _ACTIVE.set(forward)
     with _SWITCH_LOCK:
         for c in configs:

@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.prefix_attention import Spans
 from lightning_dta.engine.walk import Chunk
 from lightning_dta.tree import PrefixTree
@@ -85,5 +86,5 @@ def row_logits(logits: torch.Tensor, columns: torch.Tensor, row_columns: list[to
         if cols.numel() == columns.numel():
             out.append(row)
         else:
-            out.append(row.index_select(0, torch.searchsorted(columns, cols).to(row.device)))
+            out.append(row.index_select(0, to_device(torch.searchsorted(columns, cols), row.device)))
     return out

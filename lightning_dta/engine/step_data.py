@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_dta.engine.device import to_device
 from lightning_dta.losses import PolicyLoss, TokenData
 from lightning_dta.rollout import RolloutError
 from lightning_dta.tree import PrefixTree
@@ -100,17 +101,14 @@ class StepData:
         if not bool(rows.all()):
             rollouts, index, mask, keep = rollouts[rows], index[rows], mask[rows], keep[rows]
         index, mask, keep = index[:, columns], mask[:, columns], keep[:, columns]
-        to = dict(device=self.device, dtype=self.dtype)
-        data = TokenData(
-            mask=mask.to(**to),
-            advantages=self.advantages[index].to(**to),
-            old=self.old[index].to(**to),
-            prox=self.prox[index].to(**to),
-            ref=self.ref[index].to(**to),
-            weight=self.weights[rollouts][:, None].to(**to),
-            any_ref=self.any_ref,
-        )
-        token_ids = self.tokens[index].to(self.device)
+        def on_device(t: torch.Tensor) -> torch.Tensor:  # a non-blocking copy from pinned memory on CUDA
+            return to_device(t.to(self.dtype), self.device)
+
+        data = TokenData(mask=on_device(mask), advantages=on_device(self.advantages[index]),
+                         old=on_device(self.old[index]), prox=on_device(self.prox[index]),
+                         ref=on_device(self.ref[index]), weight=on_device(self.weights[rollouts][:, None]),
+                         any_ref=self.any_ref)
+        token_ids = to_device(self.tokens[index], self.device)
         return ChunkTargets(columns=columns, token_ids=token_ids, data=data, rollouts=rollouts)
 
 

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lightning_dta as dta
+from lightning_dta.engine.model_info import inspect_model
 from tests.helpers.models import make_model, make_rollout, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
 
@@ -63,6 +64,24 @@ def test_every_mode_matches_per_rollout_reference(family, config_name):
     _, out = check(model, rollouts, loss_fn, ENGINE_CONFIGS[config_name])
     assert out.metrics["clip_fraction"] > 0.1, "the test data must exercise clipping"
     assert out.metrics["trained_tokens"] == sum(sum(r.loss_mask[1:]) for r in rollouts)
+
+
+PREFIX_ATTENTION_CONFIGS = [name for name, c in ENGINE_CONFIGS.items()
+                            if c["mode"] == "dfs" and c.get("prefix_attention") is not False]
+REFERENCE_KERNELS = dict(prefix_attention=True, prefix_attention_backend="reference")
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "qwen3"])
+@pytest.mark.parametrize("config_name", PREFIX_ATTENTION_CONFIGS)
+def test_reference_kernels_through_every_dfs_mode(family, config_name):
+    """The varlen glue the CUDA backends plug into (one causal call for all packed spans, one call over the
+    prefix, merged backward), with the pure-PyTorch reference kernels: exact in every mode."""
+    model = make_model(family)
+    rollouts = random_tree_rollouts(random.Random(1), num_rollouts=10)
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+    check(model, rollouts, loss_fn, {**ENGINE_CONFIGS[config_name], **REFERENCE_KERNELS})
+    info = inspect_model(model, True, True, "reference")
+    assert info.attention_backend.name == "reference" and info.packs_siblings
 
 
 @pytest.mark.parametrize("family", ["qwen3", "mistral", "gemma", "doge", "diffllama"])
@@ -119,11 +138,14 @@ def test_sliding_window_shorter_than_the_rollouts(config_name):
 
 
 @pytest.mark.parametrize("agg", list(LOSSES))
-@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla"])
+@pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla",
+                                         "dfs-keep-reference-kernels"])
 def test_every_aggregation(agg, config_name, llama64):
     rollouts = random_tree_rollouts(random.Random(2), num_rollouts=9)
     rollouts.append(dta.Rollout(input_ids=[1, 2, 3], loss_mask=[0, 0, 0], advantages=1.0))  # nothing trained
-    check(llama64, rollouts, LOSSES[agg], ENGINE_CONFIGS[config_name])
+    config = {**ENGINE_CONFIGS["dfs-keep"], **REFERENCE_KERNELS} if config_name == "dfs-keep-reference-kernels" \
+        else ENGINE_CONFIGS[config_name]
+    check(llama64, rollouts, LOSSES[agg], config)
 
 
 def test_different_advantages_and_logprobs_on_a_shared_prefix(llama64):

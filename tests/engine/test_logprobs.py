@@ -20,7 +20,8 @@ def per_rollout_logprobs(model, rollout: dta.Rollout) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
 @pytest.mark.parametrize("options", [dict(), dict(chunk_size=3), dict(sibling_batch_tokens=None),
-                                     dict(prefix_attention=False)])
+                                     dict(prefix_attention=False),
+                                     dict(prefix_attention=True, prefix_attention_backend="reference", chunk_size=4)])
 def test_tree_logprobs_match_plain_forward(family, options):
     model = make_model(family)
     rollouts = random_tree_rollouts(random.Random(11), num_rollouts=12)

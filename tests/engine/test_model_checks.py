@@ -151,6 +151,7 @@ def test_layers_without_keys_values_are_refused():
 
 def test_overlapping_switches_restore_the_model_attention_once():
     """Two engine runs on one model overlapping in time (threads) must leave the model's own attention."""
+    from lightning_dta.engine.attention_backends import CPUFlashBackend
     from lightning_dta.engine.prefix_attention import (
         ATTENTION_NAME,
         attention_configs,
@@ -160,8 +161,9 @@ def test_overlapping_switches_restore_the_model_attention_once():
 
     model = make_model("llama")
     configs = attention_configs(model)
-    first = attention_switch(configs, None, ((0, 2),))
-    second = attention_switch(configs, None, ((0, 2),))
+    backend = CPUFlashBackend()
+    first = attention_switch(configs, backend, None, ((0, 2),))
+    second = attention_switch(configs, backend, None, ((0, 2),))
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)
@@ -174,6 +176,7 @@ def test_overlapping_switches_restore_the_model_attention_once():
 def test_probe_leaves_the_random_stream_alone():
     """Deciding on prefix attention runs a probe forward; with dropout active it must not consume random numbers
     that training would otherwise have drawn."""
+    from lightning_dta.engine.attention_backends import CPUFlashBackend
     from lightning_dta.engine.prefix_attention import probe
 
     model = make_model("gpt2")
@@ -182,5 +185,5 @@ def test_probe_leaves_the_random_stream_alone():
     torch.manual_seed(3)
     expected = torch.rand(3)
     torch.manual_seed(3)
-    assert probe(model, model.config.num_hidden_layers) is None
+    assert probe(model, model.config.num_hidden_layers, CPUFlashBackend(), torch.float32).reason is None
     assert torch.equal(torch.rand(3), expected)

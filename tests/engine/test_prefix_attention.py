@@ -1,38 +1,60 @@
 """Prefix attention against plain attention over [prefix, own keys] with an explicit mask, per span.
 
-The end-to-end exactness tests run it inside real models; these pin the kernel glue itself: packed spans
-that must not see each other, grouped-query heads, no prefix, and half precision.
+The end-to-end exactness tests run it inside real models; these pin the kernel glue itself, for every
+backend: packed spans that must not see each other, grouped-query heads, spans of one token, no prefix, one
+span, and half precision. The CUDA backends run here with their flash functions replaced by stand-ins of the
+same signatures (tests/helpers/flash_fakes.py), so their argument plumbing is tested on the CPU in float64.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from lightning_dta.engine.prefix_attention import PrefixCausalAttention
+from lightning_dta.engine.attention_backends import (
+    BACKENDS,
+    CPUFlashBackend,
+    CudaFlashBackend,
+    FlashAttnBackend,
+    ReferenceBackend,
+    choose_backend,
+)
+from lightning_dta.engine.options import choices
+from lightning_dta.engine.prefix_attention import PackedLayout, PrefixCausalAttention
+from tests.helpers import flash_fakes
+
+BACKEND_UNDER_TEST = {
+    "reference": ReferenceBackend,
+    "cpu-flash": CPUFlashBackend,
+    "cuda-flash": lambda: CudaFlashBackend(flash_fakes.aten_flash_forward, flash_fakes.aten_flash_backward),
+    "flash-attn": lambda: FlashAttnBackend(flash_fakes.flash_attn_varlen_forward,
+                                           flash_fakes.flash_attn_varlen_backward),
+}
 
 
 def reference(query, prefix_keys, prefix_values, keys, values, spans, scale):
-    """Each span alone: its queries over the prefix and its own keys, causal within the span."""
-    heads, kv_heads = query.shape[1], keys.shape[1]
-    rep = heads // kv_heads
-    outs = []
+    """Each span alone, from the definition: softmax(q k^T * scale) v over the prefix and the span's own keys
+    (query i of a span sees the whole prefix and the span's keys 0..i); ``[1, H, T, D]`` in, ``[1, T, H, D]`` out."""
+    rep = query.shape[1] // keys.shape[1]
+    rows = []
     for a, n in spans:
-        k, v = keys[:, :, a:a + n], values[:, :, a:a + n]
-        prefix = 0
-        if prefix_keys is not None:
-            k, v = torch.cat([prefix_keys, k], 2), torch.cat([prefix_values, v], 2)
-            prefix = prefix_keys.shape[2]
-        mask = torch.ones(n, prefix + n, dtype=torch.bool).tril(prefix)
-        outs.append(F.scaled_dot_product_attention(query[:, :, a:a + n], k.repeat_interleave(rep, 1),
-                                                   v.repeat_interleave(rep, 1), attn_mask=mask, scale=scale))
-    return torch.cat(outs, 2)
+        for i in range(n):
+            k, v = keys[0, :, a:a + i + 1], values[0, :, a:a + i + 1]
+            if prefix_keys is not None:
+                k, v = torch.cat([prefix_keys[0], k], 1), torch.cat([prefix_values[0], v], 1)
+            k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # kv head j serves query heads j*rep..
+            scores = torch.einsum("hd,hkd->hk", query[0, :, a + i], k) * scale
+            rows.append(torch.einsum("hk,hkd->hd", scores.softmax(-1), v))
+    return torch.stack(rows)[None]
 
 
-def inputs(dtype, spans, prefix_len, heads=4, kv_heads=2, dim=8, seed=0):
+def spans_of(lengths):
+    return tuple((sum(lengths[:i]), n) for i, n in enumerate(lengths))
+
+
+def inputs(dtype, lengths, prefix_len, heads=4, kv_heads=2, dim=8, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    total = sum(n for _, n in spans)
+    total = sum(lengths)
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
@@ -47,26 +69,83 @@ def grads(fn, tensors, grad_out):
     return out, torch.autograd.grad(out, wanted, grad_out)
 
 
-@pytest.mark.parametrize("spans,prefix_len", [(((0, 5),), 7), (((0, 3), (3, 6), (9, 1)), 11),
-                                              (((0, 4), (4, 4)), 0)])
-def test_matches_masked_attention_in_float64(spans, prefix_len):
-    tensors = inputs(torch.float64, spans, prefix_len)
-    grad_out = torch.randn(tensors[0].shape, dtype=torch.float64)
-    got, got_grads = grads(lambda *t: PrefixCausalAttention.apply(*t, spans, 0.3), tensors, grad_out)
-    want, want_grads = grads(lambda *t: reference(*t, spans, 0.3), tensors, grad_out)
+def glue(backend, lengths, prefix_len, scale):
+    layout = PackedLayout.of(spans_of(lengths), prefix_len, torch.device("cpu"))
+    return lambda *t: PrefixCausalAttention.apply(*t, layout, scale, backend)
+
+
+CASES = {
+    "one span": ((5,), 7),
+    "many spans, one of length 1": ((3, 6, 1), 11),
+    "spans of length 1": ((1, 1, 1, 1), 5),
+    "no prefix": ((4, 4), 0),
+    "no prefix, one span": ((6,), 0),
+    "one token over a prefix": ((1,), 9),
+}
+HEADS = {"grouped-query": (4, 2), "multi-head": (3, 3), "multi-query": (4, 1)}
+
+
+@pytest.mark.parametrize("backend_name", list(BACKEND_UNDER_TEST))
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_every_backend_matches_masked_attention_in_float64(backend_name, case, heads):
+    lengths, prefix_len = CASES[case]
+    tensors = inputs(torch.float64, lengths, prefix_len, *HEADS[heads])
+    grad_out = torch.randn(1, sum(lengths), HEADS[heads][0], 8, dtype=torch.float64)
+    got, got_grads = grads(glue(BACKEND_UNDER_TEST[backend_name](), lengths, prefix_len, 0.3), tensors, grad_out)
+    want, want_grads = grads(lambda *t: reference(*t, spans_of(lengths), 0.3), tensors, grad_out)
+    assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     for g, w in zip(got_grads, want_grads):
+        assert g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-def test_bfloat16_close_to_float64():
-    spans, prefix_len = ((0, 16), (16, 24)), 32
-    exact = inputs(torch.float64, spans, prefix_len, seed=1)
+@pytest.mark.parametrize("backend_name", ["cpu-flash", "reference"])
+def test_bfloat16_close_to_float64(backend_name):
+    lengths, prefix_len = (16, 24), 32
+    exact = inputs(torch.float64, lengths, prefix_len, seed=1)
     half = [t.detach().to(torch.bfloat16).requires_grad_() for t in exact]
-    grad_out = torch.randn(exact[0].shape, dtype=torch.float64)
-    want, want_grads = grads(lambda *t: reference(*t, spans, 0.35), exact, grad_out)
-    got, got_grads = grads(lambda *t: PrefixCausalAttention.apply(*t, spans, 0.35), half, grad_out.bfloat16())
+    grad_out = torch.randn(1, sum(lengths), 4, 8, dtype=torch.float64)
+    want, want_grads = grads(lambda *t: reference(*t, spans_of(lengths), 0.35), exact, grad_out)
+    got, got_grads = grads(glue(BACKENDS[backend_name](), lengths, prefix_len, 0.35), half, grad_out.bfloat16())
     assert got.dtype == torch.bfloat16
     for g, w in zip((got, *got_grads), (want, *want_grads)):
         error = (g.double() - w).norm() / w.norm()
         assert error < 2e-2, float(error)  # bf16 keeps ~3 significant digits; a wrong merge is off by O(1)
+
+
+def test_backend_names_are_the_engine_option_choices():
+    assert set(BACKENDS) == set(choices("prefix_attention_backend"))
+
+
+def test_default_backend_per_device():
+    cpu = torch.device("cpu")
+    assert choose_backend(None, cpu, torch.float32)[0].name == "cpu-flash"
+    backend, reason = choose_backend("cuda-flash", cpu, torch.bfloat16)
+    assert backend is None and "runs on CUDA and the model is on cpu" in reason
+    backend, reason = choose_backend(None, torch.device("meta"), torch.float32)
+    assert backend is None and "no prefix-attention kernel runs on meta" in reason
+
+
+def test_cuda_flash_schema_of_this_torch_is_known():
+    """The aten flash ops are registered in every build: their schema is checked here, not only on a GPU."""
+    backend = CudaFlashBackend()
+    assert backend.schema_problem is None, backend.schema_problem
+    assert backend.rng_args == ("rng_state", "unused")
+
+
+def test_unknown_kernel_signatures_are_refused_with_the_arguments():
+    def renamed(q, k, v, cu_q, cu_k, max_q, max_k):  # a release that renamed its arguments
+        raise AssertionError("never called")
+
+    backend = CudaFlashBackend(renamed, flash_fakes.aten_flash_backward)
+    assert "which lightning_dta does not know" in backend.unsupported(torch.device("cpu"), torch.bfloat16)
+    flash = FlashAttnBackend(renamed, flash_fakes.flash_attn_varlen_backward)
+    assert "cu_seqlens_q" in flash.unsupported(torch.device("cpu"), torch.bfloat16)
+
+
+def test_flash_attn_missing_is_a_reason_not_an_error():
+    backend = FlashAttnBackend()
+    reason = backend.unsupported(torch.device("cpu"), torch.bfloat16)
+    assert reason is not None  # not installed here, or (if it is) CUDA-only

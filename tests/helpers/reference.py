@@ -15,14 +15,15 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
     eps_low = loss_fn.clip_eps
     eps_high = loss_fn.clip_eps if loss_fn.clip_eps_high is None else loss_fn.clip_eps_high
     per_rollout = []  # (sum of m * l, sum of m)
+    device = next(model.parameters()).device
     for r in rollouts:
-        ids = torch.tensor([r.input_ids])
+        ids = torch.tensor([r.input_ids], device=device)
         logits = model(input_ids=ids).logits[0]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
         n = len(r.input_ids)
         mask = [0] + [1] * (n - 1) if r.loss_mask is None else list(r.loss_mask)
-        total = torch.zeros((), dtype=dtype)
+        total = torch.zeros((), dtype=dtype, device=device)
         count = 0
         for t in range(1, n):
             if not mask[t]:
