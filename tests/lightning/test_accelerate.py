@@ -124,6 +124,7 @@ def _fsdp2_worker(rank: int, port: int, out: str) -> None:
     weights = {n: t.detach().clone() for n, t in full_parameters(model) if n in dict(model.named_parameters())}
     torch.save({"weights": weights, "loss": result.loss, "grad_norm": result.grad_norm},
                os.path.join(out, f"fsdp{rank}.pt"))
+    dist.barrier()  # neither rank tears gloo down while the other still has a collective in flight
     dist.destroy_process_group()
 
 
