@@ -22,6 +22,7 @@ from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
 from lightning_dta.bench.runner import ModeSpec, run_bench, training_modes
 from lightning_dta.bench.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 from lightning_dta.engine import EngineOptions
+from lightning_dta.engine.options import choices
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -45,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--modes", default="vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute",
                       help="training modes to compare, from vanilla, vanilla-ckpt, vanilla-batched, mask, dfs, "
                       "dfs-recompute, dfs-model-attention (dfs with the model's attention over a KV cache instead of "
-                      "prefix attention); vanilla is always run: it is the baseline")
+                      "prefix attention), prefix-grouper (the published one-level peer; GRPO workloads, CUDA with "
+                      "flash-attn and the prefix_grouper package); vanilla is always run: it is the baseline")
     what.add_argument("--no-logprobs", action="store_true", help="skip forward-only tree_logprobs vs per-rollout")
     what.add_argument("--memory-leaves", default="4,8,16,32,64", type=_ints,
                       help="leaf counts for the peak-memory-vs-leaves sweep (empty string: skip)")
@@ -75,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--sibling-batch-tokens", default=EngineOptions().sibling_batch_tokens, type=int,
                         help="dfs sibling batch budget (0: off)")
     engine.add_argument("--vanilla-batch-tokens", default=4096, type=int, help="token budget of vanilla-batched")
+    engine.add_argument("--prefix-attention-backend", default=None, choices=choices("prefix_attention_backend"),
+                        help="dfs prefix-attention kernels (default: the device's)")
     sizes = parser.add_argument_group("workload sizes")
     sizes.add_argument("--grpo-prompts", default=2, type=int, help="GRPO groups (prompts) per step")
     sizes.add_argument("--grpo-group", default=8, type=int, help="responses per prompt")
@@ -121,7 +125,8 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
 
 def _modes(args: argparse.Namespace) -> tuple[dict[str, ModeSpec], ModeSpec | None]:
     """The modes to compare, and the one to profile (``None``: no profile)."""
-    all_modes = training_modes(args.chunk_size, args.sibling_batch_tokens or None, args.vanilla_batch_tokens)
+    all_modes = training_modes(args.chunk_size, args.sibling_batch_tokens or None, args.vanilla_batch_tokens,
+                               args.prefix_attention_backend)
     wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
     unknown = wanted - set(all_modes)
     if unknown:
@@ -161,7 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         meta = {"date": datetime.date.today().isoformat(), "argv": list(argv or sys.argv[1:]),
                 "machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "device": args.device}
+                "threads": torch.get_num_threads(), "device": args.device,
+                "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
         written = report.save(Path(args.out), meta, results, plots=not args.no_plots)
         print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

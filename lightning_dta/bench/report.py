@@ -86,6 +86,7 @@ def table(all_rows: list[dict]) -> str:
 def render(results: BenchResults, header: str, profiled_mode: str | None = None) -> str:
     """The whole terminal report: the model line, the table, profiles and the memory sweeps."""
     lines = [header, table(results.rows)]
+    lines += [f"skipped {note}" for note in results.skipped]
     for name, text in results.profiles.items():
         lines.append(f"\ntorch.profiler, one {profiled_mode} step of {name}:\n{text}")
     if results.memory_scaling:
@@ -111,8 +112,8 @@ def write_json(path: Path, meta: dict, all_rows: list[dict], memory_scaling: lis
 def save(out_dir: Path, meta: dict, results: BenchResults, plots: bool = True) -> list[Path]:
     """``bench.json`` (and the PNG plots) in ``out_dir``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(out_dir / "bench.json", {**meta, "long_sequence": results.long_rows}, results.rows,
-               results.memory_scaling)
+    write_json(out_dir / "bench.json", {**meta, "long_sequence": results.long_rows, "skipped": results.skipped},
+               results.rows, results.memory_scaling)
     written = [out_dir / "bench.json"]
     if plots:
         written += plot(out_dir, results.rows, results.memory_scaling)

@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -29,20 +30,26 @@ BASELINE = "vanilla"
 
 @dataclass(frozen=True)
 class ModeSpec:
-    """A bench mode: the engine options, and whether transformers activation checkpointing is on (a baseline)."""
+    """A bench mode: the engine options, whether transformers activation checkpointing is on (a baseline), or a
+    peer method run instead of the engine."""
 
     engine: EngineOptions
     activation_checkpointing: bool = False
+    peer: Literal["prefix-grouper"] | None = None
 
 
-def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int
-                   ) -> dict[str, ModeSpec]:
+PEER_WORKLOADS = {"prefix-grouper": ("grpo",)}  # one-level sharing: the GRPO shape only
+
+
+def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int,
+                   prefix_attention_backend: str | None) -> dict[str, ModeSpec]:
     """The modes compared.
 
     ``vanilla-ckpt`` is per-rollout training with transformers activation checkpointing: the baseline the
-    reference system (AReaL-DTA) reports its speed-ups against.
+    reference system (AReaL-DTA) reports its speed-ups against. ``prefix-grouper`` is the published one-level
+    peer (:mod:`~lightning_dta.bench.prefix_grouper`).
     """
-    dfs = EngineOptions(sibling_batch_tokens=sibling_batch_tokens)
+    dfs = EngineOptions(sibling_batch_tokens=sibling_batch_tokens, prefix_attention_backend=prefix_attention_backend)
     return {
         "vanilla": ModeSpec(EngineOptions(mode="vanilla")),
         "vanilla-ckpt": ModeSpec(EngineOptions(mode="vanilla"), activation_checkpointing=True),
@@ -53,7 +60,20 @@ def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_ba
         # dfs with the model's own attention over a KV cache and a causal mask (what runs where prefix
         # attention does not: GPUs, sliding windows), to measure what prefix attention brings
         "dfs-model-attention": ModeSpec(dataclasses.replace(dfs, prefix_attention=False)),
+        "prefix-grouper": ModeSpec(EngineOptions(), peer="prefix-grouper"),
     }
+
+
+def skip_reason(name: str, spec: ModeSpec, workload: str, device: torch.device) -> str | None:
+    """Why mode ``name`` does not run on ``workload`` here (``None``: it runs)."""
+    if spec.peer is None:
+        return None
+    if workload not in PEER_WORKLOADS[spec.peer]:
+        return f"{name} shares one level (the prompt): run on {', '.join(PEER_WORKLOADS[spec.peer])} only"
+    from lightning_dta.bench.prefix_grouper import unavailable_reason
+
+    reason = unavailable_reason(device)
+    return f"{name}: {reason}" if reason else None
 
 
 @dataclass
@@ -80,8 +100,12 @@ def _flat_grads(model: nn.Module) -> torch.Tensor:
 
 
 def run_mode(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, spec: ModeSpec) -> None:
-    """One ``tree_backward`` of a mode."""
-    if spec.activation_checkpointing:
+    """One ``tree_backward`` of a mode (or one step of its peer method)."""
+    if spec.peer == "prefix-grouper":
+        from lightning_dta.bench.prefix_grouper import prefix_grouper_backward
+
+        prefix_grouper_backward(model, tree, loss_fn)
+    elif spec.activation_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24 renamed the methods
             model.activation_checkpointing_enable({"use_reentrant": False})
         else:
@@ -195,6 +219,7 @@ class BenchResults:
     memory_scaling: list[dict] = field(default_factory=list)  # peak saved MiB per (mode, leaves)
     long_rows: list[dict] = field(default_factory=list)  # one long rollout: saved bytes + path buffers per mode
     profiles: dict[str, str] = field(default_factory=dict)  # workload -> profiler table
+    skipped: list[str] = field(default_factory=list)  # modes that did not run, with the reason
 
 
 def path_buffer_bytes(config, tokens: int, dtype: torch.dtype) -> int:
@@ -268,7 +293,15 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
         model_shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
         limit = report.flop_speedup_limit(*shape, trained, *model_shape)
         forward_limit = report.flop_speedup_limit(*shape, None, *model_shape)
-        measured = run_training_modes(model, tree, loss_fn, modes, repeats, warmup, progress)
+        device = next(model.parameters()).device
+        runnable = {}
+        for mode, spec in modes.items():
+            reason = skip_reason(mode, spec, name, device)
+            if reason:
+                results.skipped.append(f"{name}: {reason}")
+            else:
+                runnable[mode] = spec
+        measured = run_training_modes(model, tree, loss_fn, runnable, repeats, warmup, progress)
         results.rows += report.rows(name, tree.stats, measured, limit)
         if logprobs:  # forward only: against the per-rollout forward, with its own FLOP limit
             dfs_engine = modes["dfs"].engine if "dfs" in modes else EngineOptions()

@@ -6,6 +6,7 @@ shared, which are trained, and how long each piece is.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -20,8 +21,11 @@ def _length(rng: random.Random, bounds: tuple[int, int]) -> int:
     return rng.randint(bounds[0], bounds[1])
 
 
-def _logprobs(rng: random.Random, n: int) -> list[float]:
-    return [0.0] + [-rng.uniform(0.05, 4.0) for _ in range(n - 1)]
+def _logprobs(rng: random.Random, n: int, vocab: int) -> list[float]:
+    """Behaviour log-probs near a random model's own (-log vocab): ratios near 1, some clipped, as in a real
+    step. (Values far from the model's would clip every token with a negative advantage and shrink the rest:
+    the gradient, and the bench's gradient-error column, would be mostly zeros.)"""
+    return [0.0] + [-math.log(vocab) + rng.gauss(0.0, 0.2) for _ in range(n - 1)]
 
 
 @dataclass
@@ -42,7 +46,7 @@ class GRPOWorkload:
                 response = _tokens(rng, vocab, _length(rng, self.response_len))
                 ids = prompt + response
                 rollouts.append(Rollout(input_ids=ids, loss_mask=[0] * len(prompt) + [1] * len(response),
-                                        advantages=rng.gauss(0.0, 1.0), old_logprobs=_logprobs(rng, len(ids)),
+                                        advantages=rng.gauss(0.0, 1.0), old_logprobs=_logprobs(rng, len(ids), vocab),
                                         reward=rng.random(), group_id=group))
         return rollouts
 
@@ -79,7 +83,7 @@ class AgentWorkload:
                 ids = history + thinking + answer
                 mask = [0] * len(history) + [1] * (len(thinking) + len(answer))
                 rollouts.append(Rollout(input_ids=ids, loss_mask=mask, advantages=rng.gauss(0.0, 1.0),
-                                        old_logprobs=_logprobs(rng, len(ids)), group_id=episode))
+                                        old_logprobs=_logprobs(rng, len(ids), vocab), group_id=episode))
                 history = history + answer  # the next call sees the answer, not the thinking
         return rollouts
 
@@ -102,7 +106,7 @@ class TreeSearchWorkload:
         for ids in paths:
             mask = [0] * self.prompt_len + [1] * (len(ids) - self.prompt_len)
             rollouts.append(Rollout(input_ids=ids, loss_mask=mask, advantages=rng.gauss(0.0, 1.0),
-                                    old_logprobs=_logprobs(rng, len(ids))))
+                                    old_logprobs=_logprobs(rng, len(ids), vocab)))
         return rollouts
 
 

@@ -12,11 +12,16 @@ def test_bench_small_run_writes_json_and_plots(tmp_path, capsys):
             "--grpo-prompts", "1", "--grpo-group", "3", "--grpo-prompt-len", "24,30", "--grpo-response-len", "4,9",
             "--agent-episodes", "1", "--agent-turns", "2", "--agent-system-len", "32", "--agent-thinking-len", "4,8",
             "--tree-prompt-len", "16", "--tree-branching", "2,2", "--memory-leaves", "2,4", "--long-len", "64",
-            "--chunk-size", "16", "--no-progress", "--out", str(tmp_path)]
+            "--chunk-size", "16", "--no-progress", "--out", str(tmp_path),
+            "--modes", "vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute,prefix-grouper"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "dfs-recompute" in printed and "vanilla-ckpt" in printed and "logprobs-tree" in printed
+    # the GPU-only peer is skipped with its reason, never silently
+    assert "skipped grpo: prefix-grouper: it runs through flash-attention 2's varlen kernels" in printed
+    assert "skipped agent: prefix-grouper shares one level" in printed
     record = json.loads((tmp_path / "bench.json").read_text())
+    assert len(record["meta"]["skipped"]) == 3
     rows = record["results"]
     assert {r["workload"] for r in rows} == {"grpo", "agent", "tree-search"}
     for row in rows:
