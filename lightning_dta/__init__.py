@@ -9,7 +9,14 @@ from lightning_dta.engine import (
     tree_loss_normalizer,
 )
 from lightning_dta.losses import PolicyLoss
-from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts, write_rollouts
+from lightning_dta.rollout import (
+    Rollout,
+    RolloutError,
+    RolloutFaults,
+    read_rollouts,
+    validate_rollouts,
+    write_rollouts,
+)
 from lightning_dta.tree import PrefixTree, TreeNode, TreeStats
 
 __version__ = "0.1.0"
@@ -42,6 +49,7 @@ __all__ = [
     "PrefixTree",
     "Rollout",
     "RolloutError",
+    "RolloutFaults",
     "TreeBackwardOutput",
     "TreeNode",
     "TreeStats",

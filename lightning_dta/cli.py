@@ -21,6 +21,7 @@ from lightning.pytorch.cli import LightningCLI
 
 import lightning_dta  # noqa: F401  (registers the "dta" strategy before the Trainer is built)
 from lightning_dta.module import DTAModule
+from lightning_dta.rollout import RolloutError
 
 BENCH_MODULE = "lightning_dta.bench.cli"
 
@@ -72,7 +73,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"lightning-dta bench: {BENCH_MODULE} is not installed in this version")
         bench(args[1:])
         return
-    cli_main(argv)  # None: LightningCLI reads sys.argv itself (it warns when given both)
+    try:
+        cli_main(argv)  # None: LightningCLI reads sys.argv itself (it warns when given both)
+    except RolloutError as error:  # bad input, not a bug: the message says where and how to fix it
+        print(f"lightning-dta: error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ from lightning_dta.advantages import check_advantage_estimator, estimate_advanta
 from lightning_dta.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.batch import StepBatch
 from lightning_dta.engine.model_info import model_limits
-from lightning_dta.rollout import Rollout, RolloutError, read_rollouts, validate_rollouts
+from lightning_dta.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
 from lightning_dta.tree import PrefixTree
 
 StepSource = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
@@ -87,6 +87,31 @@ def _located(where: str) -> Iterator[None]:
     except RolloutError as error:
         error.args = (f"{where}: {error.args[0]}",)
         raise
+
+
+def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int) -> None:
+    """Warn (once each, with the count) about a file that trains on less than it seems to."""
+    rollouts = [rollout for step in steps for rollout in step]
+    untrained = sum(1 for rollout in rollouts if not any(rollout.mask()))
+    if untrained:
+        warnings.warn(f"{untrained} of {len(rollouts)} rollouts in {path} train no token (their loss_mask is all 0): "
+                      "they add nothing to the loss", UserWarning, stacklevel=3)
+    if len(steps[-1]) < size:
+        warnings.warn(f"the last step of {path} has {len(steps[-1])} rollouts, not rollouts_per_step={size}: its "
+                      "loss is normalised over fewer rollouts", UserWarning, stacklevel=3)
+    flat = [step for step in steps if not any(_has_advantage(rollout) for rollout in step)]
+    if flat:
+        warnings.warn(f"{len(flat)} of {len(steps)} steps of {path} have every advantage 0: their policy gradient is "
+                      "0 (and so is the loss without KL or entropy terms). Fix: set advantage_estimator (e.g. grpo) "
+                      "or write advantages into the file", UserWarning, stacklevel=3)
+
+
+def _has_advantage(rollout: Rollout) -> bool:
+    """Whether a trained token of ``rollout`` has a non-zero advantage."""
+    mask = rollout.mask()
+    if isinstance(rollout.advantages, Sequence):
+        return any(value != 0 for value, trained in zip(rollout.advantages, mask) if trained)
+    return rollout.advantages != 0 and any(mask)
 
 
 def _identity(batch: StepBatch) -> StepBatch:
@@ -172,6 +197,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._rank = rank
         self._world_size = world_size
         self._steps: list[list[Rollout]] | None = None  # file source, loaded in setup()
+        self._lines: list[int] = []  # the file's line of each rollout, for errors
         # Progress: the epoch being trained and how many of its steps are done (`finished`: all of them).
         self._epoch = 0
         self._trained = 0
@@ -198,9 +224,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Read and validate the file and estimate its advantages (every rank does: each needs every step)."""
         if self.path is None or self._steps is not None:
             return
-        rollouts = read_rollouts(self.path)
-        if self.vocab_size is not None or self.max_positions is not None:
-            validate_rollouts(rollouts, vocab_size=self.vocab_size, max_positions=self.max_positions)
+        rollouts, self._lines = read_rollout_lines(self.path, self.vocab_size, self.max_positions)
         size = self.rollouts_per_step or len(rollouts)
         if self.advantage_estimator is not None:
             for cut in range(size, len(rollouts), size):
@@ -209,13 +233,22 @@ class RolloutDataModule(L.LightningDataModule):
                     raise RolloutError(cut, "group_id", f"group {group!r} is split between steps {cut // size - 1} "
                                        f"and {cut // size} (rollouts_per_step={size}), so its advantages would be "
                                        "estimated in two halves", "make rollouts_per_step a multiple of the "
-                                       "group size, or keep each group's rollouts together in the file")
+                                       "group size, or keep each group's rollouts together in the file",
+                                       self._location(cut))
         steps = []
         for number, start in enumerate(range(0, len(rollouts), size)):
             step = rollouts[start:start + size]
-            with _located(f"step {number} of {self.path} (rollouts {start}-{start + len(step) - 1} of the file)"):
+            try:
                 steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
+            except RolloutError as fault:  # the index counts within the step: name the file's rollout and line
+                index = start + (fault.index or 0)
+                raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
+                                   self._location(index)) from None
         self._steps = steps
+        _warn_about_file(self.path, steps, size)
+
+    def _location(self, index: int) -> str:
+        return f"{self.path}:{self._lines[index]}"
 
     def connect_model(self, model: nn.Module) -> None:
         """Check rollouts against ``model``'s limits (vocabulary, positions) from now on, where they were not given
@@ -224,9 +257,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.vocab_size = self.vocab_size if self.vocab_size is not None else vocab_size
         self.max_positions = self.max_positions if self.max_positions is not None else max_positions
         if self._steps is not None:  # a file already read: check it now, before the first step
-            for number, step in enumerate(self._steps):
-                with _located(f"step {number} of {self.path}"):
-                    validate_rollouts(step, vocab_size=self.vocab_size, max_positions=self.max_positions)
+            rollouts = [rollout for step in self._steps for rollout in step]
+            validate_rollouts(rollouts, self.vocab_size, self.max_positions, source=str(self.path),
+                              locations=[self._location(index) for index in range(len(rollouts))])
 
     @property
     def steps_per_epoch(self) -> int | None:

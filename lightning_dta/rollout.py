@@ -17,14 +17,42 @@ PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs"
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
 
 
-class RolloutError(ValueError):
-    """A rollout is malformed. The message names the rollout index, the field and the fix."""
+MAX_REPORTED = 20  # faults listed in one error; the rest are counted
 
-    def __init__(self, index: int | None, field: str, problem: str, fix: str) -> None:
-        where = f"rollout {index}" if index is not None else "rollout"
-        super().__init__(f"{where}, field '{field}': {problem}. Fix: {fix}")
-        self.index = index
-        self.field = field
+
+class RolloutError(ValueError):
+    """A rollout is malformed. The message names where it is (``PATH:LINE`` for a file), the rollout index, the
+    field, the value and the fix."""
+
+    def __init__(self, index: int | None, field: str, problem: str, fix: str, location: str | None = None) -> None:
+        self.index, self.field, self.problem, self.fix, self.location = index, field, problem, fix, location
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        where = f"rollout {self.index}" if self.index is not None else "rollout"
+        at = f"{self.location}: " if self.location else ""
+        return f"{at}{where}, field '{self.field}': {self.problem}. Fix: {self.fix}"
+
+
+class RolloutFaults(RolloutError):
+    """Several malformed rollouts, reported together (the first :data:`MAX_REPORTED`, then a count)."""
+
+    def __init__(self, faults: Sequence[RolloutError], source: str) -> None:
+        first = faults[0]
+        self.faults = list(faults)
+        self.index, self.field, self.problem, self.fix, self.location = (first.index, first.field, first.problem,
+                                                                         first.fix, first.location)
+        shown = "\n".join(f"  {fault.describe()}" for fault in faults[:MAX_REPORTED])
+        rest = f"\n  ... and {len(faults) - MAX_REPORTED} more" if len(faults) > MAX_REPORTED else ""
+        ValueError.__init__(self, f"{len(faults)} faulty rollouts in {source}:\n{shown}{rest}")
+
+
+def raise_faults(faults: Sequence[RolloutError], source: str) -> None:
+    """Raise the one fault as it is, several as one :class:`RolloutFaults`; nothing if there are none."""
+    if len(faults) == 1:
+        raise faults[0]
+    if faults:
+        raise RolloutFaults(faults, source)
 
 
 @dataclass
@@ -150,36 +178,62 @@ def validate_rollout(rollout: Rollout, index: int, vocab_size: int | None = None
 
 
 def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None,
-                      max_positions: int | None = None) -> None:
-    """Validate every rollout; the first problem raises a :class:`RolloutError` naming its index."""
+                      max_positions: int | None = None, locations: Sequence[str] | None = None,
+                      source: str = "the rollouts") -> None:
+    """Validate every rollout and raise one :class:`RolloutError` naming every faulty one (its first fault each).
+
+    ``locations`` (one per rollout, e.g. ``PATH:LINE``) prefix the faults; ``source`` names the whole.
+    """
     if len(rollouts) == 0:
         raise RolloutError(None, "<rollouts>", "no rollouts were given", "pass at least one rollout")
+    faults = []
     for index, rollout in enumerate(rollouts):
-        if not isinstance(rollout, Rollout):
-            raise RolloutError(index, "<record>", f"expected a Rollout, got {type(rollout).__name__}",
-                               "wrap each record with lightning_dta.Rollout(...) or Rollout.from_dict")
-        validate_rollout(rollout, index, vocab_size, max_positions)
+        try:
+            if not isinstance(rollout, Rollout):
+                raise RolloutError(index, "<record>", f"expected a Rollout, got {type(rollout).__name__}",
+                                   "wrap each record with lightning_dta.Rollout(...) or Rollout.from_dict")
+            validate_rollout(rollout, index, vocab_size, max_positions)
+        except RolloutError as fault:
+            location = locations[index] if locations is not None else None
+            faults.append(RolloutError(fault.index, fault.field, fault.problem, fault.fix, location))
+    raise_faults(faults, source)
 
 
-def read_rollouts(path: str | Path) -> list[Rollout]:
-    """Read a JSONL file (one rollout object per line; blank lines ignored) and validate its structure."""
-    rollouts = []
+def read_rollout_lines(path: str | Path, vocab_size: int | None = None,
+                       max_positions: int | None = None) -> tuple[list[Rollout], list[int]]:
+    """Read a JSONL file (one rollout object per line) and validate it; returns the rollouts and their line numbers.
+
+    Blank lines hold no rollout and are skipped, but counted: line numbers are the file's (1-based), and the
+    rollout index counts rollouts. Every faulty line is reported in one :class:`RolloutError` as ``PATH:LINE``.
+    """
+    rollouts, lines, faults = [], [], []
     with open(path, encoding="utf-8") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            index = len(rollouts)
+            index, location = len(rollouts) + len(faults), f"{path}:{line_number}"
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise RolloutError(index, "<json>", f"line {line_number} of {path} is not valid JSON ({error.msg})",
-                                   "write one JSON object per line") from error
-            rollout = Rollout.from_dict(record, index)
-            validate_rollout(rollout, index)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    raise RolloutError(index, "<json>", f"not valid JSON ({error.msg}, column {error.colno})",
+                                       "write one JSON object per line") from error
+                rollout = Rollout.from_dict(record, index)
+                validate_rollout(rollout, index, vocab_size, max_positions)
+            except RolloutError as fault:
+                faults.append(RolloutError(fault.index, fault.field, fault.problem, fault.fix, location))
+                continue
             rollouts.append(rollout)
+            lines.append(line_number)
+    raise_faults(faults, str(path))
     if not rollouts:
         raise RolloutError(None, "<file>", f"{path} holds no rollouts", "point at a non-empty JSONL file")
-    return rollouts
+    return rollouts, lines
+
+
+def read_rollouts(path: str | Path, vocab_size: int | None = None, max_positions: int | None = None) -> list[Rollout]:
+    """Read and validate a JSONL rollout file (see :func:`read_rollout_lines`)."""
+    return read_rollout_lines(path, vocab_size, max_positions)[0]
 
 
 def write_rollouts(path: str | Path, rollouts: Iterable[Rollout]) -> None:

@@ -14,7 +14,7 @@ from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.mask import mask_backward
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
-from lightning_dta.engine.step_data import StepData, check_tree_fits_model
+from lightning_dta.engine.step_data import StepData, check_tree_fits_model, warn_if_nothing_to_learn
 from lightning_dta.engine.vanilla import vanilla_backward
 from lightning_dta.losses import PolicyLoss, empty_sums, metrics_from_sums
 from lightning_dta.tree import PrefixTree, TreeStats
@@ -76,6 +76,8 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     _check_supported(model, info, tree, engine)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
+    if normalizer is None:  # the tree is the whole step (a distributed step passes the ranks' normaliser)
+        warn_if_nothing_to_learn(step, loss_fn)
     sums = empty_sums()
     if engine.mode == "dfs":
         total = DFSWalk(model, info, tree, step, loss_fn, engine, sums).run()

@@ -8,6 +8,7 @@ rows and columns with nothing to train are dropped before the model's head is ev
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,16 @@ class ChunkTargets:
     @property
     def empty(self) -> bool:
         return self.columns.numel() == 0
+
+
+def warn_if_nothing_to_learn(step: StepData, loss_fn: PolicyLoss) -> None:
+    """A whole step whose trained tokens all have advantage 0 (and no KL or entropy term) has loss 0 and gradient 0:
+    say so instead of returning zeros in silence (typically: advantages never estimated)."""
+    trained = step.mask > 0
+    if loss_fn.kl_coef == 0 and loss_fn.entropy_coef == 0 and trained.any() and not step.advantages[trained].any():
+        warnings.warn("every trained token of this step has advantage 0, so the loss and its gradient are 0. Fix: "
+                      "estimate advantages first (lightning_dta.advantages.grpo_advantages(rollouts), or "
+                      "RolloutDataModule(advantage_estimator='grpo'))", UserWarning, stacklevel=3)
 
 
 class StepData:

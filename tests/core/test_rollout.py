@@ -88,16 +88,16 @@ def test_jsonl_round_trip(tmp_path):
                                                              "reward": 1.0, "group_id": "g1"}
 
 
-def test_jsonl_errors_name_the_rollout(tmp_path):
+def test_jsonl_errors_name_the_file_line(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(good()) + "\n\n" + json.dumps(good(advantage=1.0)) + "\n")
-    with pytest.raises(dta.RolloutError, match=r"rollout 1, field 'advantage': unknown field"):
-        dta.read_rollouts(path)
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:3: rollout 1, field 'advantage': unknown field"):
+        dta.read_rollouts(path)  # the blank line 2 is counted in the line, not in the rollout index
     path.write_text(json.dumps(good()) + "\n{not json\n")
-    with pytest.raises(dta.RolloutError, match=r"rollout 1.*line 2"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout 1, field '<json>': not valid JSON"):
         dta.read_rollouts(path)
     path.write_text(json.dumps(good(loss_mask=[0, 1])) + "\n")
-    with pytest.raises(dta.RolloutError, match=r"rollout 0, field 'loss_mask'"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:1: rollout 0, field 'loss_mask'"):
         dta.read_rollouts(path)
     path.write_text(json.dumps({"loss_mask": [0, 1]}) + "\n")
     with pytest.raises(dta.RolloutError, match=r"rollout 0, field 'input_ids': missing"):
@@ -105,3 +105,26 @@ def test_jsonl_errors_name_the_rollout(tmp_path):
     path.write_text("")
     with pytest.raises(dta.RolloutError, match="holds no rollouts"):
         dta.read_rollouts(path)
+
+
+def test_every_fault_of_a_file_in_one_error(tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = [good(), good(input_ids=[1, -3, 3, 4]), good(), good(loss_mask=[0, 1, 1]), good(input_ids=[1, 2, 300, 4])]
+    path.write_text("\n".join(json.dumps(r) for r in lines[:2]) + "\n\n" + "\n".join(json.dumps(r) for r in lines[2:]))
+    with pytest.raises(dta.RolloutFaults) as info:
+        dta.read_rollouts(path, vocab_size=256)
+    message = str(info.value)
+    assert message.startswith(f"3 faulty rollouts in {path}:"), message
+    assert f"{path}:2: rollout 1, field 'input_ids': token 1 is -3, outside the vocabulary [0, 256)" in message
+    assert f"{path}:5: rollout 3, field 'loss_mask': has 3 entries but input_ids has 4" in message
+    assert f"{path}:6: rollout 4, field 'input_ids': token 2 is 300, outside the vocabulary [0, 256)" in message
+    assert [f.index for f in info.value.faults] == [1, 3, 4] and info.value.field == "input_ids"
+
+
+def test_many_faults_are_counted_beyond_the_first_twenty(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(good(loss_mask=[2, 1, 1, 1])) + "\n" for _ in range(25)))
+    with pytest.raises(dta.RolloutFaults, match=r"25 faulty rollouts") as info:
+        dta.read_rollouts(path)
+    message = str(info.value)
+    assert f"{path}:20:" in message and f"{path}:21:" not in message and message.endswith("... and 5 more")

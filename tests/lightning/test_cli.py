@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 import types
@@ -56,6 +57,24 @@ def test_fit_tiny_cpu(tmp_path: Path) -> None:
                     "train/entropy", "train/logical_tokens", "train/tree_tokens", "train/compression_ratio"):
             assert key in row, key
         assert row["throughput/logical_tokens_per_sec"] > 0 and row["memory/cpu_peak_rss_gib"] > 0
+
+
+def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Path) -> None:
+    lines = (REPO / "data" / "tiny_rollouts.jsonl").read_text().splitlines()
+    first, second = json.loads(lines[1]), json.loads(lines[4])
+    first["loss_mask"] = first["loss_mask"][:-1]
+    second["input_ids"][3] = -3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([lines[0], json.dumps(first), "", *lines[2:4], json.dumps(second), *lines[5:]]) + "\n")
+    proc = subprocess.run([str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml", f"--data.path={bad}",
+                           f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    n = len(first["input_ids"])
+    assert f"{bad}:2: rollout 1, field 'loss_mask': has {n - 1} entries but input_ids has {n}" in proc.stderr
+    assert (f"{bad}:6: rollout 4, field 'input_ids': token 3 is -3, outside the vocabulary [0, vocab_size)"
+            in proc.stderr)
 
 
 @pytest.mark.distributed

@@ -7,6 +7,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_dta import PrefixTree, Rollout, RolloutError, read_rollouts, write_rollouts
 from lightning_dta.advantages import grpo_advantages
@@ -89,8 +90,40 @@ def test_source_steps_are_validated_with_the_step_and_rollout_named():
     assert info.value.index == 2 and info.value.field == "input_ids"
     with pytest.raises(TypeError, match="one sequence of rollouts per step"):
         batches(RolloutDataModule(source=random_rollouts(3)))  # a flat stream is not a stream of steps
-    with pytest.raises(RolloutError, match="rollout 0, field 'input_ids'.*outside the vocabulary"):
+    with pytest.raises(RolloutError, match=rf"^\d+ faulty rollouts in {TINY}:\n  {TINY}:1: rollout 0, field "
+                                           "'input_ids': token \\d+ is \\d+, outside the vocabulary \\[0, 100\\)"):
         RolloutDataModule(path=TINY, vocab_size=100).setup()
+
+
+def test_model_limits_check_the_whole_file_with_its_lines(tmp_path):
+    rollouts = random_rollouts(6)
+    for rollout in rollouts:
+        rollout.input_ids = [token % 100 for token in rollout.input_ids]
+    rollouts[1].input_ids[2] = rollouts[4].input_ids[0] = 200
+    path = tmp_path / "vocab.jsonl"
+    write_rollouts(path, rollouts)
+    dm = RolloutDataModule(path=path, rollouts_per_step=3)
+    dm.setup()  # the vocabulary is known once the model is
+    with pytest.raises(RolloutError, match=rf"^2 faulty rollouts in {path}:\n  {path}:2: rollout 1, field "
+                                           rf"'input_ids': token 2 is 200, outside the vocabulary \[0, 128\).*\n  "
+                                           rf"{path}:5: rollout 4"):
+        dm.connect_model(LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=8, intermediate_size=8,
+                                                      num_hidden_layers=1, num_attention_heads=2)))
+
+
+def test_a_file_that_trains_on_less_than_it_seems_is_warned_about(tmp_path):
+    rollouts = random_rollouts(7)
+    for rollout in rollouts:
+        rollout.advantages = 0.0
+    rollouts[3].loss_mask = [0] * len(rollouts[3].input_ids)
+    path = tmp_path / "flat.jsonl"
+    write_rollouts(path, rollouts)
+    with pytest.warns(UserWarning) as record:
+        RolloutDataModule(path=path, rollouts_per_step=3).setup()
+    messages = [str(w.message) for w in record]
+    assert any("1 of 7 rollouts" in m and "train no token" in m for m in messages), messages
+    assert any("last step" in m and "has 1 rollouts, not rollouts_per_step=3" in m for m in messages), messages
+    assert any("3 of 3 steps" in m and "every advantage 0" in m for m in messages), messages
 
 
 def test_missing_rewards_are_reported_with_their_step(tmp_path):
@@ -98,8 +131,7 @@ def test_missing_rewards_are_reported_with_their_step(tmp_path):
     rollouts[5].reward = None
     path = tmp_path / "rewards.jsonl"
     write_rollouts(path, rollouts)
-    with pytest.raises(RolloutError, match=r"step 1 of .*rewards.jsonl \(rollouts 4-7 of the file\): rollout 1, "
-                                           r"field 'reward'"):
+    with pytest.raises(RolloutError, match=rf"^{path}:6: rollout 5, field 'reward': is missing.*\(step 1\)"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="reinforce-baseline").setup()
     dm = RolloutDataModule(source=[rollouts[:4], rollouts[4:]], advantage_estimator="reinforce-baseline")
     with pytest.raises(RolloutError, match=r"step 1 of the source \(epoch 0\): rollout 1, field 'reward'"):
@@ -153,7 +185,8 @@ def test_grpo_is_computed_over_the_whole_group_even_when_it_is_split_across_rank
 def test_a_group_split_between_steps_is_refused(tmp_path):
     path = tmp_path / "groups.jsonl"
     write_rollouts(path, [r for g in range(4) for r in random_rollouts(3, seed=g, group_id=g)])
-    with pytest.raises(RolloutError, match="group 1 is split between steps 0 and 1"):
+    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 1 is split between "
+                                           "steps 0 and 1"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="grpo").setup()
     assert len(batches(RolloutDataModule(path=path, rollouts_per_step=4))) == 3  # own advantages: no problem
     assert len(batches(RolloutDataModule(path=path, rollouts_per_step=6, advantage_estimator="grpo"))) == 2
