@@ -11,6 +11,7 @@ from types import ModuleType
 
 import pytest
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 from tests import helpers
 
@@ -45,6 +46,11 @@ def test_existing_module_example(plain_losses: list[float]) -> None:
     assert len(module.grad_norms) == 1  # on_before_optimizer_step fired once for the whole DFS step
 
 
-def test_accelerate_example(plain_losses: list[float]) -> None:
+def test_accelerate_example(plain_losses: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fresh one-process Accelerate state: the shared state of an earlier test in this process (or a launcher's
+    # variables) would make Accelerate prepare DDP without a process group.
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    AcceleratorState._reset_state(reset_partial_state=True)
     losses = load("accelerate_loop").main(steps=2, accelerator=Accelerator(cpu=True))
     assert losses == pytest.approx(plain_losses, rel=1e-6)
