@@ -26,12 +26,14 @@ __version__ = "0.1.0"
 # `register_strategies`).
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
+from lightning_dta import quiet  # noqa: E402
 from lightning_dta.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402
 from lightning_dta.fsdp_strategy import DTAFSDPStrategy  # noqa: E402
 from lightning_dta.module import DTAModule  # noqa: E402
 from lightning_dta.step import DFSStepMixin, StepOutput, dfs_training_step, tree_step_backward  # noqa: E402
 from lightning_dta.strategy import DTAStrategy  # noqa: E402
 
+quiet.install()
 DTAStrategy.register_strategies(StrategyRegistry)
 DTAFSDPStrategy.register_strategies(StrategyRegistry)
 

@@ -16,14 +16,46 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 import lightning_dta  # noqa: F401  (registers the "dta" strategy before the Trainer is built)
+from lightning_dta.callbacks import StepProgressBar
 from lightning_dta.module import DTAModule
 from lightning_dta.rollout import RolloutError
 
 BENCH_MODULE = "lightning_dta.bench.cli"
+
+
+class DTACLI(LightningCLI):
+    """LightningCLI with the subcommand that trains (``fit``; DTAModule has no validation or prediction step) and
+    the step progress bar (:class:`~lightning_dta.callbacks.StepProgressBar`) unless the run disables the bar or
+    brings its own."""
+
+    @staticmethod
+    @override
+    def subcommands() -> dict[str, set[str]]:
+        return {"fit": LightningCLI.subcommands()["fit"]}
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        own = [*callbacks, *(config.get("callbacks") or [])]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in own):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+USAGE = """usage: lightning-dta {fit,bench,export} ...
+
+  fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
+           --trainer.*); lightning-dta fit --help
+  bench    every training mode side by side on the same model and rollouts; lightning-dta bench --help
+  export   a training checkpoint as a Hugging Face model directory; lightning-dta export --help
+"""
 
 
 def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCLI:
@@ -36,10 +68,11 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
     from lightning_dta.data import RolloutDataModule
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
-    return LightningCLI(
+    return DTACLI(
         DTAModule,
         RolloutDataModule,
-        trainer_defaults={"strategy": "dta"},
+        # The model summary's FLOPs column is 0 without an example input; DTAModule prints a one-line summary.
+        trainer_defaults={"strategy": "dta", "enable_model_summary": False},
         save_config_kwargs={"overwrite": True},
         args=list(args) if args is not None else None,
         run=run,
@@ -59,6 +92,9 @@ def _bench_main():
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point (``[project.scripts] lightning-dta``)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE, end="")
+        sys.exit(0 if args else 2)
     if args and args[0] == "export":
         from lightning_dta.export import ExportError
         from lightning_dta.export import main as export_main

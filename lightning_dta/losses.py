@@ -126,7 +126,8 @@ class PolicyLoss:
             clipped = (ratio * adv - clipped_ratio * adv).abs() > 0
             sums["clipped_tokens"] += (clipped * mask).sum()
             behaviour_log_ratio = logp_d - old
-            approx_kl = torch.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio
+            # k3 >= 0; clamped because exp(x) - 1 - x rounds to tiny negatives for x near 0 ("-1.9e-09")
+            approx_kl = (torch.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio).clamp_min(0.0)
             sums["approx_kl_sum"] += (approx_kl * mask).sum()
             sums["ratio_sum"] += (ratio.detach() * mask).sum()
             if ref_kl is not None:

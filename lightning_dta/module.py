@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -186,6 +187,11 @@ class DTAModule(DFSStepMixin, LightningModule):
         connect = getattr(getattr(self.trainer, "datamodule", None), "connect_model", None)
         if callable(connect) and self.model is not None:
             connect(self.model)
+        if self.model is not None:
+            total = sum(p.numel() for p in self.model.parameters())
+            trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            rank_zero_info(f"model: {type(self.model).__name__}, {total:,} parameters ({trained:,} trained), "
+                           f"{next(self.model.parameters()).dtype}")
 
     @override
     def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:

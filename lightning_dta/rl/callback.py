@@ -142,9 +142,11 @@ class OnlineRLCallback(Callback):
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("reward", info.reward_mean, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                       batch_size=1)
-        self.history.append({"step": float(trainer.global_step - 1), **metrics})
-        if self.print_every_n_steps and trainer.global_step % self.print_every_n_steps == 0:
-            self._print(trainer, self._line(trainer.global_step, metrics))
+        step = trainer.global_step - 1  # the step just trained, numbered as in metrics.csv (from 0)
+        self.history.append({"step": float(step), "reward_min": min(info.rewards), "reward_max": max(info.rewards),
+                             **metrics})
+        if self.print_every_n_steps and (step + 1) % self.print_every_n_steps == 0:
+            self._print(trainer, self._line(step, metrics))
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -162,7 +164,9 @@ class OnlineRLCallback(Callback):
                 path = Path(log_dir or ".") / self.reward_plot  # an absolute reward_plot stays as is
                 save_reward_plot([int(h["step"]) for h in self.history],
                                  [h["rollout/reward_mean"] for h in self.history],
-                                 [h["rollout/reward_std"] for h in self.history], path)
+                                 [h["rollout/reward_std"] for h in self.history], path,
+                                 bounds=([h["reward_min"] for h in self.history],
+                                         [h["reward_max"] for h in self.history]))
                 message += f"; reward plot: {path}"
             except ImportError as error:
                 rank_zero_warn(f"the reward plot was not saved: {error}")

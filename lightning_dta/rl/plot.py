@@ -7,8 +7,12 @@ from pathlib import Path
 
 
 def save_reward_plot(steps: Sequence[int], means: Sequence[float], stds: Sequence[float], path: str | Path, *,
-                     title: str = "reward per step", window: int = 10) -> Path:
+                     bounds: tuple[Sequence[float], Sequence[float]] | None = None, title: str = "reward per step",
+                     window: int = 10) -> Path:
     """Plot the mean reward of each step (with a +-1 std band over the step's episodes) and its moving average.
+
+    ``bounds``: each step's lowest and highest episode reward; the band is clipped to them (a std band around a
+    mean of 0/1 rewards would otherwise reach below 0 and above 1).
 
     Raises ``ImportError`` with the install command when matplotlib is missing.
     """
@@ -27,6 +31,9 @@ def save_reward_plot(steps: Sequence[int], means: Sequence[float], stds: Sequenc
     figure, axes = plt.subplots(figsize=(7, 4))
     low = [m - s for m, s in zip(means, stds)]
     high = [m + s for m, s in zip(means, stds)]
+    if bounds is not None:
+        low = [max(value, bound) for value, bound in zip(low, bounds[0])]
+        high = [min(value, bound) for value, bound in zip(high, bounds[1])]
     axes.fill_between(steps, low, high, alpha=0.15, color="tab:blue", label="±1 std over episodes")
     axes.plot(steps, means, color="tab:blue", alpha=0.5, linewidth=1, label="mean reward")
     if len(means) >= window:

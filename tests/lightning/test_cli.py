@@ -59,6 +59,25 @@ def test_fit_tiny_cpu(tmp_path: Path) -> None:
         assert row["throughput/logical_tokens_per_sec"] > 0 and row["memory/cpu_peak_rss_gib"] > 0
 
 
+def test_fit_prints_no_warning_the_project_causes_or_can_silence(tmp_path: Path) -> None:
+    proc = subprocess.run([str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml", "--trainer.max_steps=2",
+                           f"--trainer.logger.init_args.save_dir={tmp_path}"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    for unwanted in ("litlogger", "FLOPs", "LeafSpec", "IterableDataset", "Warning", "v_num", "/-2"):
+        assert unwanted not in output, (unwanted, output[-3000:])
+    assert "step: 2/2" in output and "loss:" in output  # the step progress bar
+    assert "model: LlamaForCausalLM" in output
+
+
+def test_help_lists_the_subcommands_that_work() -> None:
+    proc = subprocess.run([str(EXECUTABLE), "--help"], capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0 and "{fit,bench,export}" in proc.stdout, proc.stdout
+    with pytest.raises(SystemExit):
+        cli.cli_main(["validate", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])  # no validation_step
+
+
 def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Path) -> None:
     lines = (REPO / "data" / "tiny_rollouts.jsonl").read_text().splitlines()
     first, second = json.loads(lines[1]), json.loads(lines[4])
