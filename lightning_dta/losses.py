@@ -2,7 +2,8 @@
 
 A shared token appears once in the tree but once per rollout in the loss, so every term is computed on a
 ``[rollouts, positions]`` grid built from the same log-probs: clipping stays exact when rollouts carry
-different advantages or behaviour log-probs on a shared prefix.
+different advantages or behaviour log-probs on a shared prefix. Sequence-level quantities (GSPO's ratio, a
+sequence-level importance weight) are per rollout, computed before the walk and broadcast over the grid.
 """
 
 from __future__ import annotations
@@ -13,19 +14,27 @@ from typing import Literal, get_args
 
 import torch
 
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "sum"]
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"]
 AGGREGATIONS = get_args(Aggregation)
+LossMode = Literal["ppo", "gspo", "cispo"]
+LOSS_MODES = get_args(LossMode)
+WeightMode = Literal["truncate", "mask"]
+WEIGHT_MODES = get_args(WeightMode)
+Level = Literal["token", "sequence"]
+LEVELS = get_args(Level)
 
 # Names of the raw sums every engine accumulates; metrics are ratios of these, so sums from several trees,
 # micro-steps or ranks can be added before the ratios are taken.
-METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum", "entropy_sum", "ratio_sum")
+METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum", "entropy_sum", "ratio_sum",
+               "importance_weight_sum", "capped_tokens", "nonfinite_tokens")
 
 
 @dataclass
 class TokenData:
     """Per-(rollout, position) inputs of the loss, each ``[R, L]`` (float unless noted).
 
-    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field.
+    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field. ``seq_log_weight`` and
+    ``seq_log_ratio`` are ``[R, 1]`` per-rollout values (``None`` unless the loss asks for them).
     """
 
     mask: torch.Tensor
@@ -35,11 +44,14 @@ class TokenData:
     ref: torch.Tensor
     weight: torch.Tensor  # [R, 1]: the aggregation weight of each rollout
     any_ref: bool = False  # whether any rollout of the step has reference log-probs
+    seq_log_weight: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of prox - old
+    seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
 
 
 @dataclass(frozen=True)
 class PolicyLoss:
-    """PPO-style clipped policy-gradient loss with decoupled-PPO weights, k3 KL and an entropy bonus.
+    """Clipped policy-gradient loss (PPO, GSPO or CISPO) with decoupled-PPO importance weights (optionally
+    capped), dual clipping, k3 KL and an entropy bonus; the definitions are in ``docs/losses.md``.
 
     For a trained token with log-prob ``logp`` (``old`` defaults to ``logp`` detached, ``prox`` to ``old``):
     ``ratio = exp(logp - prox)``, ``w = exp(prox - old)``,
@@ -57,17 +69,51 @@ class PolicyLoss:
     entropy_coef: float = 0.0
     """weight of the entropy bonus."""
     agg: Aggregation = "token-mean"
-    """aggregation over the whole step: token-mean, seq-mean-token-mean, seq-mean-token-sum or sum."""
+    """aggregation over the whole step: token-mean, seq-mean-token-mean, seq-mean-token-sum,
+    seq-mean-token-sum-norm (Dr. GRPO: token sums divided by the constant agg_norm_length) or sum."""
+    agg_norm_length: int | None = None
+    """seq-mean-token-sum-norm only (required there): the constant length L each rollout's token sum is divided by."""
+    loss_mode: LossMode = "ppo"
+    """ppo: the token-level clipped ratio; gspo: the sequence-level ratio exp(mean_t(logp - prox)) of the current
+    weights in its token form; cispo: -w * sg(clip(ratio)) * A * logp (the clipped ratio only weights the gradient)."""
+    dual_clip: float | None = None
+    """ppo only: for A < 0 the surrogate is bounded by dual_clip * A (dual-clip PPO; > 1, e.g. 3)."""
+    importance_weight_cap: float | None = None
+    """cap C >= 1 of the decoupled-PPO weight w = exp(prox - old) (stale async rollouts, inference/trainer
+    log-prob mismatch); null: no cap."""
+    importance_weight_mode: WeightMode = "truncate"
+    """truncate: min(w, C) (TIS); mask: w * [w <= C] (MIS, drops the token's term)."""
+    importance_level: Level = "token"
+    """token: w per token; sequence: w_i = exp(mean over the rollout's trained tokens of (prox - old))."""
 
     def __post_init__(self) -> None:
-        if self.agg not in AGGREGATIONS:
-            raise ValueError(f"PolicyLoss.agg is {self.agg!r}; choose one of {AGGREGATIONS}")
+        for name, value, choices in (("agg", self.agg, AGGREGATIONS), ("loss_mode", self.loss_mode, LOSS_MODES),
+                                     ("importance_weight_mode", self.importance_weight_mode, WEIGHT_MODES),
+                                     ("importance_level", self.importance_level, LEVELS)):
+            if value not in choices:
+                raise ValueError(f"PolicyLoss.{name} is {value!r}; choose one of {choices}")
         if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
             raise ValueError("PolicyLoss.clip_eps and clip_eps_high must be >= 0")
+        if (self.agg == "seq-mean-token-sum-norm") != (self.agg_norm_length is not None):
+            raise ValueError("PolicyLoss.agg_norm_length is required by agg='seq-mean-token-sum-norm' and used by "
+                             f"nothing else (agg={self.agg!r}, agg_norm_length={self.agg_norm_length!r})")
+        if self.agg_norm_length is not None and self.agg_norm_length < 1:
+            raise ValueError(f"PolicyLoss.agg_norm_length={self.agg_norm_length} must be >= 1")
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.loss_mode != "ppo"):
+            raise ValueError(f"PolicyLoss.dual_clip={self.dual_clip} must be > 1 and needs loss_mode='ppo'")
+        if self.importance_weight_cap is not None and not self.importance_weight_cap >= 1:
+            raise ValueError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
+                             "below 1 it would shrink weights that are already on-policy")
 
     @property
     def needs_entropy_grad(self) -> bool:
         return self.entropy_coef != 0.0
+
+    @property
+    def needs_sequence_ratio(self) -> bool:
+        """GSPO's ratio is a statistic of the whole rollout under the current weights: the engine computes it in a
+        forward-only pass before the walk."""
+        return self.loss_mode == "gspo"
 
     def normalizer(self, masks: Sequence[torch.Tensor]) -> float:
         """The step's loss normaliser from per-rollout loss masks: trained tokens for ``token-mean``,
@@ -91,7 +137,21 @@ class PolicyLoss:
             return torch.where(counts > 0, 1.0 / (norm * counts.clamp(min=1)), torch.zeros_like(counts))
         if self.agg == "seq-mean-token-sum":
             return torch.full_like(counts, 1.0 / norm)
+        if self.agg == "seq-mean-token-sum-norm":
+            return torch.full_like(counts, 1.0 / (norm * self.agg_norm_length))
         return torch.ones_like(counts)
+
+    def _importance_weight(self, old: torch.Tensor, prox: torch.Tensor, data: TokenData
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (capped) decoupled weight and where the cap acted."""
+        log_weight = data.seq_log_weight if self.importance_level == "sequence" else prox - old
+        weight = torch.exp(log_weight).expand_as(old)
+        if self.importance_weight_cap is None:
+            return weight, torch.zeros_like(weight, dtype=torch.bool)
+        capped = weight > self.importance_weight_cap
+        if self.importance_weight_mode == "truncate":
+            return weight.clamp(max=self.importance_weight_cap), capped
+        return torch.where(capped, torch.zeros_like(weight), weight), capped
 
     def __call__(self, logp: torch.Tensor, entropy: torch.Tensor | None, data: TokenData,
                  sums: dict) -> torch.Tensor:
@@ -104,13 +164,20 @@ class PolicyLoss:
         old = torch.where(torch.isnan(data.old), logp_d, data.old)
         prox = torch.where(torch.isnan(data.prox), old, data.prox)
         adv = data.advantages
-        log_ratio = logp - prox
-        ratio = torch.exp(log_ratio)
+        if self.loss_mode == "gspo":  # value exp(mean_t(logp - prox)) of the rollout, gradient s_i * grad logp
+            ratio = torch.exp(data.seq_log_ratio) * torch.exp(logp - logp_d)
+        else:
+            ratio = torch.exp(logp - prox)
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         clipped_ratio = ratio.clamp(1.0 - self.clip_eps, 1.0 + high)
-        surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
-        importance = torch.exp(prox - old)
-        loss = -importance * surrogate
+        importance, capped = self._importance_weight(old, prox, data)
+        if self.loss_mode == "cispo":
+            loss = -importance * clipped_ratio.detach() * adv * logp
+        else:
+            surrogate = torch.minimum(ratio * adv, clipped_ratio * adv)
+            if self.dual_clip is not None:
+                surrogate = torch.where(adv < 0, torch.maximum(surrogate, self.dual_clip * adv), surrogate)
+            loss = -importance * surrogate
         has_ref = ~torch.isnan(data.ref)
         ref_kl = None
         if self.kl_coef != 0.0 and data.any_ref:
@@ -123,13 +190,17 @@ class PolicyLoss:
 
         with torch.no_grad():  # sums stay tensors: no device sync per node
             sums["trained_tokens"] += mask.sum()
-            clipped = (ratio * adv - clipped_ratio * adv).abs() > 0
-            sums["clipped_tokens"] += (clipped * mask).sum()
+            changed = (ratio != clipped_ratio) if self.loss_mode == "cispo" else \
+                (ratio * adv - clipped_ratio * adv).abs() > 0
+            sums["clipped_tokens"] += (changed * mask).sum()
             behaviour_log_ratio = logp_d - old
             # k3 >= 0; clamped because exp(x) - 1 - x rounds to tiny negatives for x near 0 ("-1.9e-09")
             approx_kl = (torch.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio).clamp_min(0.0)
             sums["approx_kl_sum"] += (approx_kl * mask).sum()
             sums["ratio_sum"] += (ratio.detach() * mask).sum()
+            sums["importance_weight_sum"] += (importance * mask).sum()
+            sums["capped_tokens"] += (capped * mask).sum()
+            sums["nonfinite_tokens"] += (~torch.isfinite(loss.detach()) * mask).sum()
             if ref_kl is not None:
                 sums["ref_kl_sum"] += (ref_kl.detach() * mask * has_ref).sum()
             if entropy is not None:
@@ -149,6 +220,9 @@ def metrics_from_sums(sums: dict) -> dict[str, float]:
         "ref_kl": sums.get("ref_kl_sum", 0.0) / n,
         "entropy": sums.get("entropy_sum", 0.0) / n,
         "ratio_mean": sums.get("ratio_sum", 0.0) / n,
+        "importance_weight_mean": sums.get("importance_weight_sum", 0.0) / n,
+        "capped_fraction": sums.get("capped_tokens", 0.0) / n,
+        "nonfinite_tokens": sums.get("nonfinite_tokens", 0.0),
     }
 
 

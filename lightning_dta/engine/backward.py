@@ -11,6 +11,7 @@ from torch import nn
 from lightning_dta.engine.device import host_values
 from lightning_dta.engine.dfs import DFSWalk
 from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.logprobs import tree_logprobs
 from lightning_dta.engine.mask import mask_backward
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
@@ -32,8 +33,13 @@ class TreeBackwardOutput:
     normalizer: float
 
 
-def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions) -> None:
+def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
+                     loss_fn: PolicyLoss) -> None:
     """Refuse combinations that would train on something other than what was asked."""
+    if loss_fn.needs_sequence_ratio and info.has_active_dropout:
+        raise ModelNotSupportedError("loss_mode='gspo' computes each rollout's ratio in a forward-only pass before "
+                                     "the training walk, and active dropout would draw different masks in the two. "
+                                     "Fix: set dropout to 0 or call model.eval().")
     if engine.mode == "dfs" and engine.activation == "recompute" and info.has_active_dropout:
         raise ModelNotSupportedError("activation='recompute' re-runs each chunk, and active dropout would draw a "
                                      "different mask the second time. Fix: set dropout to 0 or call model.eval().")
@@ -73,11 +79,13 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     info = inspect_model(model, uses_cache=engine.mode != "vanilla",
                          prefix_attention=engine.prefix_attention if engine.mode == "dfs" else False,
                          prefix_attention_backend=engine.prefix_attention_backend)
-    _check_supported(model, info, tree, engine)
+    _check_supported(model, info, tree, engine, loss_fn)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     step = StepData(tree, loss_fn, normalizer, device=info.device, dtype=loss_dtype(info.dtype))
     if normalizer is None:  # the tree is the whole step (a distributed step passes the ranks' normaliser)
         warn_if_nothing_to_learn(step, loss_fn)
+    if loss_fn.needs_sequence_ratio:  # GSPO: each rollout's ratio under these weights, from a forward-only walk
+        step.set_current_logprobs(tree_logprobs(model, tree, engine=engine))
     sums = empty_sums()
     if engine.mode == "dfs":
         total = DFSWalk(model, info, tree, step, loss_fn, engine, sums).run()

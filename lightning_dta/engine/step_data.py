@@ -76,6 +76,37 @@ class StepData:
         else:
             self.normalizer = 1.0
             self.weights = torch.ones(len(tree.rollouts), dtype=torch.float64)
+        self.seq_log_weight = None  # [R]: sequence-level importance log-weights, when the loss asks for them
+        if loss_fn is not None and loss_fn.importance_level == "sequence":
+            self.seq_log_weight = self._sequence_log_weights()
+        self.seq_log_ratio: torch.Tensor | None = None  # [R]: GSPO's log-ratio, set by set_current_logprobs
+
+    def _per_rollout_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Mean over each rollout's trained tokens of a flat per-token tensor (0 for a rollout with none)."""
+        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
+        trained = self.mask > 0
+        totals = torch.zeros(len(self.lengths), dtype=torch.float64).index_add_(
+            0, owner[trained], values[trained].to(torch.float64))
+        return (totals / self.token_counts.clamp(min=1).to(torch.float64)).to(self.dtype)
+
+    def _sequence_log_weights(self) -> torch.Tensor:
+        """``mean over trained tokens of (prox - old)`` per rollout; a token without prox has prox = old."""
+        missing_old = torch.isnan(self.old) & ~torch.isnan(self.prox) & (self.mask > 0)
+        if bool(missing_old.any()):
+            owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
+            index = int(owner[torch.nonzero(missing_old)[0]])
+            raise RolloutError(index, "old_logprobs", "is missing where prox_logprobs is given, so the sequence-level "
+                               "importance weight exp(mean(prox - old)) is undefined", "give the behaviour "
+                               "log-probs, or use importance_level='token'")
+        return self._per_rollout_mean(torch.nan_to_num(self.prox - self.old, nan=0.0))
+
+    def set_current_logprobs(self, logprobs: list[torch.Tensor]) -> None:
+        """GSPO: the per-rollout ``mean over trained tokens of (logp - prox)`` from the current weights' log-probs
+        (``tree_logprobs``: entry ``t - 1`` is token ``t``); prox defaults to old, old to logp itself."""
+        current = torch.cat([torch.cat([torch.zeros(1), lp.detach().to("cpu", torch.float64)]) for lp in logprobs])
+        prox = torch.where(torch.isnan(self.prox), self.old, self.prox).to(torch.float64)
+        prox = torch.where(torch.isnan(prox), current, prox)
+        self.seq_log_ratio = self._per_rollout_mean(current - prox)
 
     def _per_token(self, value: float | list[float], length: int) -> torch.Tensor:
         if isinstance(value, (int, float)):
@@ -118,7 +149,11 @@ class StepData:
         data = TokenData(mask=on_device(mask), advantages=on_device(self.advantages[index]),
                          old=on_device(self.old[index]), prox=on_device(self.prox[index]),
                          ref=on_device(self.ref[index]), weight=on_device(self.weights[rollouts][:, None]),
-                         any_ref=self.any_ref)
+                         any_ref=self.any_ref,
+                         seq_log_weight=None if self.seq_log_weight is None else on_device(
+                             self.seq_log_weight[rollouts][:, None]),
+                         seq_log_ratio=None if self.seq_log_ratio is None else on_device(
+                             self.seq_log_ratio[rollouts][:, None]))
         token_ids = to_device(self.tokens[index], self.device)
         return ChunkTargets(columns=columns, token_ids=token_ids, data=data, rollouts=rollouts)
 

@@ -14,6 +14,7 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
     """The step loss as a differentiable scalar, computed rollout by rollout and token by token."""
     eps_low = loss_fn.clip_eps
     eps_high = loss_fn.clip_eps if loss_fn.clip_eps_high is None else loss_fn.clip_eps_high
+    cap = loss_fn.importance_weight_cap
     per_rollout = []  # (sum of m * l, sum of m)
     device = next(model.parameters()).device
     for r in rollouts:
@@ -23,18 +24,36 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
         log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
         n = len(r.input_ids)
         mask = [0] + [1] * (n - 1) if r.loss_mask is None else list(r.loss_mask)
+        trained = [t for t in range(1, n) if mask[t]]
+        logps = {t: log_probs[t - 1, r.input_ids[t]] for t in trained}
+        olds = {t: logps[t].detach() if r.old_logprobs is None else torch.tensor(r.old_logprobs[t], dtype=dtype)
+                for t in trained}
+        proxs = {t: olds[t] if r.prox_logprobs is None else torch.tensor(r.prox_logprobs[t], dtype=dtype)
+                 for t in trained}
+        if trained:  # the sequence-level quantities: geometric means over the rollout's trained tokens
+            seq_weight = torch.exp(sum(proxs[t] - olds[t] for t in trained) / len(trained))
+            seq_ratio = torch.exp(sum(logps[t].detach() - proxs[t] for t in trained) / len(trained))
         total = torch.zeros((), dtype=dtype, device=device)
-        count = 0
-        for t in range(1, n):
-            if not mask[t]:
-                continue
-            logp = log_probs[t - 1, r.input_ids[t]]
+        for t in trained:
+            logp, old, prox = logps[t], olds[t], proxs[t]
             adv = r.advantages if isinstance(r.advantages, (int, float)) else r.advantages[t]
-            old = logp.detach() if r.old_logprobs is None else torch.tensor(r.old_logprobs[t], dtype=dtype)
-            prox = old if r.prox_logprobs is None else torch.tensor(r.prox_logprobs[t], dtype=dtype)
-            ratio = torch.exp(logp - prox)
-            weight = torch.exp(prox - old)
-            pg = -weight * torch.minimum(ratio * adv, ratio.clamp(1 - eps_low, 1 + eps_high) * adv)
+            if loss_fn.loss_mode == "gspo":
+                ratio = seq_ratio * torch.exp(logp - logp.detach())
+            else:
+                ratio = torch.exp(logp - prox)
+            weight = seq_weight if loss_fn.importance_level == "sequence" else torch.exp(prox - old)
+            if cap is not None and loss_fn.importance_weight_mode == "truncate":
+                weight = torch.clamp(weight, max=cap)
+            elif cap is not None and weight > cap:
+                weight = torch.zeros_like(weight)
+            clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
+            if loss_fn.loss_mode == "cispo":
+                pg = -weight * clipped.detach() * adv * logp
+            else:
+                surrogate = torch.minimum(ratio * adv, clipped * adv)
+                if loss_fn.dual_clip is not None and adv < 0:
+                    surrogate = torch.maximum(surrogate, torch.tensor(loss_fn.dual_clip * adv, dtype=dtype))
+                pg = -weight * surrogate
             term = pg
             if loss_fn.kl_coef and r.ref_logprobs is not None:
                 d = r.ref_logprobs[t] - logp
@@ -43,16 +62,17 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
                 p = log_probs[t - 1].exp()
                 term = term - loss_fn.entropy_coef * -(p * log_probs[t - 1]).sum()
             total = total + term
-            count += 1
-        per_rollout.append((total, count))
+        per_rollout.append((total, len(trained)))
     if loss_fn.agg == "token-mean":
         return sum(s for s, _ in per_rollout) / max(sum(c for _, c in per_rollout), 1)
     if loss_fn.agg == "sum":
         return sum(s for s, _ in per_rollout)
-    trained = [(s, c) for s, c in per_rollout if c > 0]
+    trained_rollouts = [(s, c) for s, c in per_rollout if c > 0]
     if loss_fn.agg == "seq-mean-token-mean":
-        return sum(s / c for s, c in trained) / max(len(trained), 1)
-    return sum(s for s, _ in trained) / max(len(trained), 1)
+        return sum(s / c for s, c in trained_rollouts) / max(len(trained_rollouts), 1)
+    if loss_fn.agg == "seq-mean-token-sum-norm":
+        return sum(s / loss_fn.agg_norm_length for s, _ in trained_rollouts) / max(len(trained_rollouts), 1)
+    return sum(s for s, _ in trained_rollouts) / max(len(trained_rollouts), 1)
 
 
 def reference_grads(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss
