@@ -35,10 +35,9 @@ def main(steps: int = 150, mode: str = "sync", seed: int = 0, sft_steps: int = 8
     if verbose:
         print(f"SFT warm start: demonstration NLL {warm.nll_before:.3f} -> {warm.nll_after:.3f}")
     source = OnlineRolloutSource(env, HFGenerator(max_new_tokens=8), tokenizer, prompts_per_step=16,
-                                 samples_per_prompt=4, rollout_mode=mode, max_staleness=1, importance_weight_cap=2.0,
-                                 seed=seed)
+                                 samples_per_prompt=4, rollout_mode=mode, max_staleness=1, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
-    loss_fn = dta.PolicyLoss(clip_eps=0.2)
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, importance_weight_cap=2.0)  # async: the decoupled weight truncated
     rewards = []
     source.attach(model)
     with source:  # close() stops the background thread in async mode, also on an exception

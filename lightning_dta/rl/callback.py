@@ -71,6 +71,7 @@ class OnlineRLCallback(Callback):
         self.history: list[dict[str, float]] = []  # the logged metrics of every step, with "step"
         self.warm_start: WarmStartResult | None = None
         self._batch_start: float | None = None
+        self._version = 0  # the policy version handed to the source: trained batches so far
 
     # ------------------------------------------------------------------ set-up checks
 
@@ -116,6 +117,7 @@ class OnlineRLCallback(Callback):
                                  f"demonstration NLL {self.warm_start.nll_before:.3f} -> "
                                  f"{self.warm_start.nll_after:.3f} per token")
         source.attach(policy, version=trainer.global_step, engine=engine)
+        self._version = trainer.global_step
         self.source = source
 
     @override
@@ -129,7 +131,10 @@ class OnlineRLCallback(Callback):
             return
         now = time.perf_counter()
         train_sec = now - self._batch_start
-        self.source.update_policy(self._policy(pl_module), trainer.global_step)
+        # The version counts trained batches: a skipped (non-finite) step advances it with unchanged weights, so
+        # the async producer's pinned versions keep pace with the steps (global_step would stall and deadlock it).
+        self._version = max(self._version + 1, trainer.global_step)
+        self.source.update_policy(self._policy(pl_module), self._version)
         info = self.source.last_step
         if info is None:
             raise RuntimeError("a step was trained but the rollout source handed none out")

@@ -6,7 +6,6 @@ Nothing here holds state or threads: the same episodes give the same rollouts on
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -93,12 +92,4 @@ def fill_logprobs(tree: PrefixTree, model: nn.Module, field_name: str, engine: E
     for rollout, values in zip(tree.rollouts, tree_logprobs(model, tree, engine=engine)):
         setattr(rollout, field_name, [0.0] + values.double().cpu().tolist())
 
-
-def cap_importance_weight(rollouts: list[Rollout], cap: float) -> None:
-    """Truncate the decoupled-PPO weight ``exp(prox - old)`` at ``cap`` on trained tokens, by raising
-    ``old_logprobs`` to ``prox - log(cap)`` where the weight would exceed it."""
-    floor = math.log(cap)
-    for r in rollouts:
-        r.old_logprobs = [max(o, p - floor) if m else o
-                          for o, p, m in zip(r.old_logprobs, r.prox_logprobs, r.loss_mask)]
 

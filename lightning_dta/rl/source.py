@@ -56,7 +56,7 @@ from lightning_dta.distributed import all_gather_objects, broadcast_object, rank
 from lightning_dta.engine import EngineOptions
 from lightning_dta.rl.environment import Environment, run_episodes
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
-from lightning_dta.rl.prepare import StepInfo, cap_importance_weight, episode_rollouts, fill_logprobs, step_info
+from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
 from lightning_dta.rollout import Rollout
 from lightning_dta.sharding import is_sharded, sharded_copy, unsharded
@@ -94,12 +94,6 @@ class OnlineRolloutSource:
             module's own ``advantage_estimator`` unset (the callback refuses both).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
-        importance_weight_cap: async, decoupled only: truncate the decoupled-PPO weight
-            ``w = exp(prox - old)`` at this value (truncated importance sampling, as verl's TIS or AReaL's
-            ``behav_imp_weight_cap``), by raising ``old_logprobs`` to ``prox - log(cap)`` where ``w`` would exceed
-            it. Why: with one optimizer step per batch the PPO clip acts around ``prox`` (ratio 1) and never
-            bounds ``w``, so a token whose probability jumped in the last step can dominate the gradient. ``None``
-            (default): the exact decoupled-PPO loss of ``docs/losses.md``.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
             any warm start), for ``kl_coef > 0``.
         seed: prompts and sampling: step ``i`` uses prompt indices ``[i * prompts_per_step, ...)`` and seeds
@@ -116,7 +110,7 @@ class OnlineRolloutSource:
                  samples_per_prompt: int = 4, steps_per_epoch: int = 1000, rollout_mode: RolloutMode = "sync",
                  max_staleness: int = 1, placement: Placement | None = None, generation_blocks: int | None = None,
                  advantage_estimator: str | None = "grpo", decoupled: bool = True,
-                 importance_weight_cap: float | None = None, ref_logprobs: bool = False, seed: int = 0,
+                 ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None) -> None:
         if rollout_mode not in ("sync", "async"):
             raise ValueError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
@@ -131,9 +125,6 @@ class OnlineRolloutSource:
                              f"{prompts_per_step} (or None: one block per rank)")
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness} must be >= 0")
-        if importance_weight_cap is not None and not importance_weight_cap >= 1.0:
-            raise ValueError(f"importance_weight_cap={importance_weight_cap} must be >= 1 (or None: no cap); below 1 "
-                             "it would shrink the weight of every token that was not off-policy at all")
         check_advantage_estimator(advantage_estimator)
         self.env = env
         self.generator = generator if generator is not None else HFGenerator()
@@ -146,7 +137,6 @@ class OnlineRolloutSource:
         self.placement: Placement = placement or getattr(self.generator, "placement", "colocated")
         self.generation_blocks = generation_blocks
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
-        self.importance_weight_cap = importance_weight_cap
         self.ref_logprobs = ref_logprobs
         self.seed, self.add_bos, self.max_context = seed, add_bos, max_context
         self.policy: nn.Module | None = None
@@ -344,17 +334,15 @@ class OnlineRolloutSource:
         return rollouts
 
     def prepare(self, tree: PrefixTree | None) -> None:
-        """Decoupled PPO (async): ``prox_logprobs`` of the current weights on ``tree``'s rollouts (and the importance
-        cap); ``ref_logprobs`` of the frozen reference when ``ref_logprobs`` is on. Adds its time to the step's
-        ``prepare_sec``. ``tree=None``: a rank without rollouts in this step (it still joins a sharded model's
-        all-gathers)."""
+        """Decoupled PPO (async): ``prox_logprobs`` of the current weights on ``tree``'s rollouts (the loss's
+        ``importance_weight_cap`` bounds the weight ``exp(prox - old)``); ``ref_logprobs`` of the frozen reference
+        when ``ref_logprobs`` is on. Adds its time to the step's ``prepare_sec``. ``tree=None``: a rank without
+        rollouts in this step (it still joins a sharded model's all-gathers)."""
         start = time.perf_counter()
         if self.rollout_mode == "async" and self.decoupled:
             with unsharded(self.policy, training=False):
                 if tree is not None:
                     fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)
-            if tree is not None and self.importance_weight_cap is not None:
-                cap_importance_weight(tree.rollouts, self.importance_weight_cap)
         if self.ref_model is not None:
             with unsharded(self.ref_model, training=False):
                 if tree is not None:

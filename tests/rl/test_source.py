@@ -237,18 +237,16 @@ def test_async_rollouts_carry_behaviour_prox_and_ref_logprobs():
         assert max(abs(r.prox_logprobs[t] - r.old_logprobs[t]) for t in trained(r)) > 1e-3  # really off-policy
 
 
-def test_importance_weight_cap_truncates_only_the_large_weights():
-    capped, _, _ = stale_step(importance_weight_cap=1.02)
-    exact, _, _ = stale_step()
-    weights = [math.exp(r.prox_logprobs[t] - r.old_logprobs[t]) for r in exact for t in trained(r)]
+def test_the_losss_importance_cap_truncates_the_stale_steps_large_weights():
+    """The async source hands out the behaviour log-probs as generated; PolicyLoss(importance_weight_cap=...)
+    truncates w = exp(prox - old) in the loss: its mean weight is the mean of min(w, cap) over trained tokens."""
+    rollouts, policy, _ = stale_step()
+    weights = [math.exp(r.prox_logprobs[t] - r.old_logprobs[t]) for r in rollouts for t in trained(r)]
     assert max(weights) > 1.02 and min(weights) < 1.0  # the data exercises both sides of the cap
-    for c, e in zip(capped, exact):
-        assert c.prox_logprobs == e.prox_logprobs
-        for t in trained(c):
-            w = math.exp(e.prox_logprobs[t] - e.old_logprobs[t])
-            assert math.exp(c.prox_logprobs[t] - c.old_logprobs[t]) == pytest.approx(min(w, 1.02), rel=1e-9)
-    with pytest.raises(ValueError, match="importance_weight_cap"):
-        OnlineRolloutSource(ReverseDigits(), importance_weight_cap=0.5)
+    out = dta.tree_backward(policy, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(importance_weight_cap=1.02))
+    assert out.metrics["importance_weight_mean"] == pytest.approx(
+        sum(min(w, 1.02) for w in weights) / len(weights), rel=1e-5)
+    assert out.metrics["capped_fraction"] == pytest.approx(sum(w > 1.02 for w in weights) / len(weights))
 
 
 def test_attach_and_next_step_errors_name_the_fix():
