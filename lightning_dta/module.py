@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
@@ -114,14 +115,20 @@ class DTAModule(DFSStepMixin, LightningModule):
         lr_scheduler: called with the optimizer; stepped once per optimizer step.
         gradient_clip_val, gradient_clip_algorithm: clipping of the gradient summed over ranks
             (``Trainer(gradient_clip_val=...)`` is refused by Lightning in manual optimization).
+        max_nonfinite_skips: a step whose loss or gradient norm is not finite is skipped on every rank (a warning
+            names the rollouts with non-finite terms); this many skipped steps in a row stop the run.
     """
 
     def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
                  loss: PolicyLoss = PolicyLoss(), engine: EngineOptions = EngineOptions(),  # noqa: B008 (frozen)
                  optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
-                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> None:
+                 gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+                 max_nonfinite_skips: int = 3) -> None:
         super().__init__()
         self.automatic_optimization = False
+        if max_nonfinite_skips < 1:
+            raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips} must be >= 1")
+        self.max_nonfinite_skips = max_nonfinite_skips
         self.loss_fn = loss if isinstance(loss, PolicyLoss) else PolicyLoss(**loss)  # a mapping: from a checkpoint
         self.engine = EngineOptions.resolve(engine)
         self._save_plain_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else [])
@@ -198,6 +205,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         out = self.dfs_training_step(batch, self.loss_fn, model=self.model, engine=self.engine,
                                      gradient_clip_val=self.gradient_clip_val,
                                      gradient_clip_algorithm=self.gradient_clip_algorithm)
+        self._guard_nonfinite(out, batch, batch_idx)
         lr = self.optimizers().optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler = self.lr_schedulers()
         if scheduler is not None:
@@ -207,6 +215,24 @@ class DTAModule(DFSStepMixin, LightningModule):
         if callable(observe) and isinstance(batch, StepBatch):  # the partition's cost model learns from the times
             observe(batch, out.rank_seconds)
         return torch.tensor(out.loss)
+
+    def _guard_nonfinite(self, out: StepOutput, batch: StepBatch | PrefixTree | None, batch_idx: int) -> None:
+        """Count skipped (non-finite) steps, say which rollouts caused them, stop after too many in a row."""
+        if not out.skipped:
+            self._nonfinite_in_a_row = 0
+            return
+        self._nonfinite_in_a_row = getattr(self, "_nonfinite_in_a_row", 0) + 1
+        self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+        tree = batch.tree if isinstance(batch, StepBatch) else batch
+        named = [f"{i} ({len(tree.rollouts[i])} tokens, group {tree.rollouts[i].group_id})"
+                 for i in out.nonfinite_rollouts] if tree is not None else []
+        warnings.warn(f"batch {batch_idx} skipped on every rank (loss {out.loss}, gradient norm {out.grad_norm}); "
+                      f"rank {self.global_rank}: non-finite loss terms in rollouts {named or 'none of this rank'} "
+                      "(indices in this rank's tree)", RuntimeWarning, stacklevel=2)
+        if self._nonfinite_in_a_row >= self.max_nonfinite_skips:
+            raise RuntimeError(f"{self._nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                               f"(max_nonfinite_skips={self.max_nonfinite_skips}): the run stops. Check the "
+                               "rollouts named above (log-probs, advantages) and the learning rate")
 
     def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None, lr: float) -> None:
         """Log the step's metrics. They are step-wide and identical on every rank, so no ``sync_dist``."""

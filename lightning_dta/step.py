@@ -21,6 +21,7 @@ clipping) to inspect gradients.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from lightning_dta.distributed import (
     synchronize,
 )
 from lightning_dta.engine import EngineOptions, TreeBackwardOutput, tree_backward, tree_loss_normalizer
+from lightning_dta.engine.diagnosis import nonfinite_rollouts
 from lightning_dta.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
 from lightning_dta.sharding import is_sharded, local_tensor, reduce_gradients, unsharded
 from lightning_dta.tree import PrefixTree
@@ -67,6 +69,8 @@ class StepOutput:
     local: TreeBackwardOutput | None = field(default=None, repr=False)
     rank_seconds: list[float] = field(default_factory=list)
     grad_norm: float | None = None
+    skipped: bool = False  # the loss or the gradient norm was not finite: no optimizer step (every rank alike)
+    nonfinite_rollouts: list[int] = field(default_factory=list)  # this rank's tree: rollouts with non-finite terms
 
 
 def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
@@ -176,7 +180,8 @@ def _check_trainer(trainer: pl.Trainer) -> None:
 def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree | None,
                       loss_fn: PolicyLoss | None = None, optimizer: Optimizer | None = None, *,
                       model: nn.Module | None = None, engine: EngineOptions | None = None,
-                      gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm") -> StepOutput:
+                      gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
+                      skip_nonfinite: bool = True) -> StepOutput:
     """One complete optimizer step from a manual-optimization ``LightningModule``'s ``training_step``.
 
     Zeroes the gradients, runs :func:`tree_step_backward` (normaliser all-reduce, DFS, one gradient sum over
@@ -194,6 +199,9 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
         engine: the :class:`~lightning_dta.EngineOptions` (default ``EngineOptions()``).
         gradient_clip_val: clip the summed gradient to this norm (or value); ``None``/0 = no clipping.
         gradient_clip_algorithm: ``"norm"`` or ``"value"``, as in Lightning.
+        skip_nonfinite: a step whose loss or gradient norm is not finite is not applied (gradients dropped, no
+            optimizer step, ``StepOutput.skipped``), on every rank alike; ``nonfinite_rollouts`` names this rank's
+            rollouts whose loss terms were not finite.
     """
     model = model if model is not None else getattr(module, "model", None)
     if not isinstance(model, nn.Module):
@@ -205,8 +213,17 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
     opt = _lightning_optimizer(module, optimizer)
     opt.zero_grad(set_to_none=True)
     bucket_mb = getattr(trainer.strategy, "bucket_mb", DEFAULT_BUCKET_MB)
-    out = tree_step_backward(model, batch_tree(batch), loss_fn, engine=engine, bucket_mb=bucket_mb)
+    tree = batch_tree(batch)
+    out = tree_step_backward(model, tree, loss_fn, engine=engine, bucket_mb=bucket_mb)
     out.grad_norm = gradient_norm(model.parameters())
+    if skip_nonfinite and not (math.isfinite(out.loss) and math.isfinite(out.grad_norm)):
+        # Both figures are step-wide (the loss sums every rank's share, the norm is that of the summed gradient),
+        # so every rank reaches the same decision without another collective.
+        opt.zero_grad(set_to_none=True)
+        out.skipped = True
+        if tree is not None:
+            out.nonfinite_rollouts = nonfinite_rollouts(model, tree, loss_fn or PolicyLoss(), engine)
+        return out
     if gradient_clip_val:
         module.clip_gradients(opt, gradient_clip_val=gradient_clip_val,
                               gradient_clip_algorithm=gradient_clip_algorithm)

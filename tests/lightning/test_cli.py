@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 import types
@@ -69,6 +70,33 @@ def test_fit_prints_no_warning_the_project_causes_or_can_silence(tmp_path: Path)
         assert unwanted not in output, (unwanted, output[-3000:])
     assert "step: 2/2" in output and "loss:" in output  # the step progress bar
     assert "model: LlamaForCausalLM" in output
+
+
+@pytest.mark.distributed
+def test_a_step_with_a_non_finite_loss_is_skipped_on_both_ranks_and_named(tmp_path: Path) -> None:
+    """Rollout 20 (step 1; its group's lowest reward, so its GRPO advantage is negative) has behaviour and proximal
+    log-probs of -1e4: its ratio exp(logp + 1e4) overflows and its PPO term is +inf. Step 1 is skipped on both ranks,
+    the warning names the rollout, and training goes on with the other steps."""
+    lines = (REPO / "data" / "tiny_rollouts.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    bad = records[20]
+    group = [r for r in records if r["group_id"] == bad["group_id"]]
+    bad["reward"] = min(r["reward"] for r in group) - 1.0
+    bad["old_logprobs"] = [-1e4] * len(bad["input_ids"])
+    path = tmp_path / "nonfinite.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = subprocess.run([str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml", f"--data.path={path}",
+                           "--trainer.devices=2", "--trainer.max_steps=3", "--trainer.enable_progress_bar=false",
+                           f"--trainer.logger.init_args.save_dir={tmp_path}"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert output.count("batch 1 skipped on every rank") == 2, output[-4000:]  # one warning per rank
+    assert "non-finite loss terms in rollouts [" in output and "none of this rank" in output, output[-4000:]
+    (metrics,) = tmp_path.glob("tiny_cpu/version_*/metrics.csv")
+    losses = [float(row["train/loss"]) for row in csv.DictReader(open(metrics)) if row.get("train/loss")]
+    assert len(losses) == 4 and not math.isfinite(losses[1]), losses  # 3 optimizer steps took 4 batches
+    assert all(math.isfinite(v) for i, v in enumerate(losses) if i != 1), losses
 
 
 def test_help_lists_the_subcommands_that_work() -> None:

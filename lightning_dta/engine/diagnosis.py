@@ -1,0 +1,49 @@
+"""Which rollouts of a tree make the loss non-finite: the diagnosis of a skipped step, run only after one.
+
+A step is skipped when its loss or gradient norm is not finite; the user needs the rollouts behind it, not a
+NaN. One forward-only walk gives every token's log-prob; each rollout's loss terms are then evaluated on their
+own (no gradient) and the rollouts with a non-finite term are named.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lightning_dta.engine.logprobs import tree_logprobs
+from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.step_data import StepData
+from lightning_dta.losses import PolicyLoss, empty_sums
+from lightning_dta.tree import PrefixTree
+
+
+def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss,
+                       engine: EngineOptions | None = None) -> list[int]:
+    """Indices (in ``tree.rollouts``) of the rollouts with a non-finite loss term under the current weights.
+
+    The entropy term is left out (it needs the logits); a non-finite log-prob itself counts.
+    """
+    logprobs = tree_logprobs(model, tree, engine=engine)
+    step = StepData(tree, loss_fn)
+    if loss_fn.needs_sequence_ratio:
+        step.set_current_logprobs(logprobs)
+    bad = []
+    for index, logp in enumerate(logprobs):
+        targets = step.targets([index], 0, len(tree.rollouts[index]))
+        if targets.empty:
+            continue
+        values = logp.detach().cpu()[targets.columns][None]  # position p predicts token p + 1: entry p
+        if not bool(torch.isfinite(values).all()):
+            bad.append(index)
+            continue
+        data = targets.data
+        for name in ("mask", "advantages", "old", "prox", "ref", "weight", "seq_log_weight", "seq_log_ratio"):
+            value = getattr(data, name)
+            if value is not None:
+                setattr(data, name, value.cpu())
+        term = loss_fn(values.to(data.mask.dtype), None, data, empty_sums())
+        if not math.isfinite(float(term)):
+            bad.append(index)
+    return bad
