@@ -19,7 +19,7 @@ import torch
 
 from lightning_dta.bench import report
 from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
-from lightning_dta.bench.runner import ModeSpec, run_bench, training_modes
+from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, ModeSpec, run_bench, training_modes
 from lightning_dta.bench.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 from lightning_dta.engine import EngineOptions
 from lightning_dta.engine.options import choices
@@ -146,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = _model(args)
     modes, profiled = _modes(args)
     workloads = _workloads(args)
-    total = len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
+    total = (len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
+             + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
     bar = tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr)
 
     def progress(message: str) -> None:

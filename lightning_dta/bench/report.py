@@ -70,7 +70,7 @@ def _fmt(value, spec: str) -> str:
 def table(all_rows: list[dict]) -> str:
     header = (f"{'workload':<12} {'mode':<19} {'C':>5} {'median s':>9} {'min-max s':>13} {'tok/s':>8} "
               f"{'speedup':>7} {'eff':>5} {'vs ckpt':>7} {'flop lim':>8} {'of lim':>6} {'grad err':>9} "
-              f"{'saved MiB':>9} {'rss MiB':>8} {'cuda MiB':>8}")
+              f"{'saved MiB':>9} {'cuda MiB':>8}")
     lines = [header, "-" * len(header)]
     for r in all_rows:
         lines.append(
@@ -79,7 +79,7 @@ def table(all_rows: list[dict]) -> str:
             f"{_fmt(r['efficiency'], '.2f'):>5} {_fmt(r['speedup_vs_ckpt'], '.2f'):>7} "
             f"{_fmt(r['flop_speedup_limit'], '.2f'):>8} {_fmt(r['fraction_of_flop_limit'], '.2f'):>6} "
             f"{_fmt(r['grad_rel_error'], '.1e'):>9} {_fmt(r['peak_saved_mib'], '.1f'):>9} "
-            f"{_fmt(r['peak_rss_growth_mib'], '.0f'):>8} {_fmt(r['cuda_peak_mib'], '.0f'):>8}")
+            f"{_fmt(r['cuda_peak_mib'], '.0f'):>8}")
     return "\n".join(lines)
 
 

@@ -244,8 +244,12 @@ def profile_step(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, spec: 
     return prof.key_averages().table(sort_by=sort, row_limit=12, max_name_column_width=48)
 
 
-def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None
-                   ) -> list[dict]:
+MEMORY_SWEEP_MODES = 4  # progress steps per leaf count of the memory sweep (at most: mask needs sdpa/eager)
+LONG_ROLLOUT_MODES = 3
+
+
+def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None,
+                   progress: Callable[[str], None] | None = None) -> list[dict]:
     """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
     modes = {"dfs": ModeSpec(EngineOptions(sibling_batch_tokens=sibling_batch_tokens)),
              "dfs-unbatched": ModeSpec(EngineOptions(sibling_batch_tokens=None)),
@@ -257,11 +261,13 @@ def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: in
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
         for mode, spec in modes.items():
             out.append({"mode": mode, "leaves": n, "peak_saved_mib": saved_peak_bytes(model, tree, spec) / 2**20})
+            if progress:
+                progress(f"memory {mode} {n} leaves")
     return out
 
 
 def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, chunk_size: int,
-                        dtype: torch.dtype) -> list[dict]:
+                        dtype: torch.dtype, progress: Callable[[str], None] | None = None) -> list[dict]:
     """One ``length``-token rollout: bytes saved for backward plus the dfs path buffers, per mode."""
     tree = PrefixTree.from_rollouts(LongSequenceWorkload(1, length).generate(vocab, seed))
     modes = {"vanilla": ModeSpec(EngineOptions(mode="vanilla")), "dfs": ModeSpec(EngineOptions()),
@@ -272,6 +278,8 @@ def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, ch
         path = path_buffer_bytes(model.config, length, dtype) if spec.engine.mode == "dfs" else 0
         rows.append({"mode": mode, "tokens": length, "peak_saved_mib": saved / 2**20,
                      "path_buffers_mib": path / 2**20, "total_mib": (saved + path) / 2**20})
+        if progress:
+            progress(f"memory {mode} {length} tokens")
     return rows
 
 
@@ -310,8 +318,9 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
         if profile is not None:
             results.profiles[name] = profile_step(model, tree, loss_fn, profile)
     if memory_leaves:
-        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed, sibling_batch_tokens)
+        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed, sibling_batch_tokens,
+                                                progress)
     if long_len:
         results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, chunk_size,
-                                                next(model.parameters()).dtype)
+                                                next(model.parameters()).dtype, progress)
     return results

@@ -46,11 +46,11 @@ LOGGED = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_tokens_
           "throughput/logical_tokens_per_sec", "train/compression_ratio", "train/approx_kl", "train/ratio_mean")
 
 
-def run_toy(tmp_path: Path, mode: str) -> tuple[list[dict[str, float]], list[dict[str, float]], Path]:
+def run_toy(tmp_path: Path, mode: str, *extra: str) -> tuple[list[dict[str, float]], list[dict[str, float]], Path]:
     """Fit the shipped config; return the callback's per-step history, the CSV rows and the log directory."""
     args = ["fit", "--config", str(REPO / "configs" / "toy_rl_cpu.yaml"), f"--trainer.max_steps={STEPS}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-            f"--data.source.init_args.rollout_mode={mode}"]
+            f"--data.source.init_args.rollout_mode={mode}", *extra]
     argv = sys.argv
     sys.argv = ["lightning-dta"]  # LightningCLI warns when pytest's arguments sit beside args=
     try:
@@ -118,6 +118,16 @@ def test_toy_rl_async_staleness_one_reaches_a_comparable_reward(sync_run, tmp_pa
     stale_rows = [r for r, s in zip(rows, staleness) if s == 1]
     assert all(r["train/ratio_mean"] == pytest.approx(1.0, abs=1e-4) for r in stale_rows)
     assert statistics.fmean(r["train/approx_kl"] for r in stale_rows) > 1e-4
+
+
+@pytest.mark.slow
+def test_toy_rl_learns_with_gspo(tmp_path):
+    """GSPO (sequence-level ratio, the paper's clip range 3e-4/4e-4, seq-mean-token-mean) on the same task and seed:
+    the reward rises by the same margin. Measured 100 steps, seeds 0/1/2: +0.20, +0.16, +0.17."""
+    history, _, _ = run_toy(tmp_path, "sync", "--model.loss.loss_mode=gspo", "--model.loss.clip_eps=0.0003",
+                            "--model.loss.clip_eps_high=0.0004", "--model.loss.agg=seq-mean-token-mean")
+    first, last = rise(history)
+    assert last >= first + MARGIN, f"GSPO reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"
 
 
 @pytest.mark.slow
