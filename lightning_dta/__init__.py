@@ -1,5 +1,6 @@
 """lightning_dta: exact depth-first prefix-tree training for RL post-training of LLMs."""
 
+from lightning_dta.critic import value_model
 from lightning_dta.engine import (
     EngineOptions,
     ModelNotSupportedError,
@@ -7,8 +8,9 @@ from lightning_dta.engine import (
     tree_backward,
     tree_logprobs,
     tree_loss_normalizer,
+    tree_values,
 )
-from lightning_dta.losses import PolicyLoss
+from lightning_dta.losses import PolicyLoss, ValueLoss
 from lightning_dta.rollout import (
     Rollout,
     RolloutError,
@@ -61,6 +63,9 @@ __all__ = [
     "tree_logprobs",
     "tree_loss_normalizer",
     "tree_step_backward",
+    "tree_values",
+    "value_model",
+    "ValueLoss",
     "validate_rollouts",
     "write_rollouts",
 ]

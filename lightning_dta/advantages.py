@@ -108,10 +108,49 @@ def reinforce_baseline_advantages(rollouts: Sequence[Rollout]) -> list[Rollout]:
     return _with_advantages(rollouts, _centered(rewards, groups, scale_by_std=False, eps=0.0))
 
 
+def gae_advantages(rollouts: Sequence[Rollout], gamma: float = 1.0, lam: float = 1.0) -> list[Rollout]:
+    """Generalised advantage estimation per rollout, from its reward and the critic's values (``old_values``).
+
+    The rollout's trained tokens ``t_1 < ... < t_K`` are its time steps (in a multi-turn rollout the tokens the
+    environment wrote between turns are not steps). The reward arrives on the last one: ``r_K = reward``, the
+    others 0. With ``V_k = old_values[t_k]`` (the value of the state token ``t_k`` is emitted from) and
+    ``V_{K+1} = 0``: ``delta_k = r_k + gamma V_{k+1} - V_k``, ``A_k = delta_k + gamma lam A_{k+1}``, and the critic's
+    target ``R_k = A_k + V_k``. Returns copies with per-token ``advantages`` and ``returns`` (0 off the steps).
+    """
+    rewards = _rewards(rollouts)
+    out = []
+    for index, (rollout, reward) in enumerate(zip(rollouts, rewards)):
+        if rollout.old_values is None:
+            raise RolloutError(index, "old_values", "is missing, and GAE needs the critic's value of every step",
+                               "fill them with tree_values(critic, tree) (DTAModule(critic=...) does) or give them")
+        steps = [t for t, trained in enumerate(rollout.mask()) if trained]
+        advantages = [0.0] * len(rollout)
+        returns = [0.0] * len(rollout)
+        following_value, following_advantage = 0.0, 0.0
+        for k in reversed(range(len(steps))):
+            t = steps[k]
+            value = float(rollout.old_values[t])
+            delta = (reward if k == len(steps) - 1 else 0.0) + gamma * following_value - value
+            following_advantage = delta + gamma * lam * following_advantage
+            following_value = value
+            advantages[t], returns[t] = following_advantage, following_advantage + value
+        out.append(dataclasses.replace(rollout, advantages=advantages, returns=returns))
+    return out
+
+
+def _critic_estimated(rollouts: Sequence[Rollout]) -> list[Rollout]:
+    """``"gae"`` on the data side: the rewards pass through; the module's critic estimates the advantages in the
+    training step, when its values are known (:class:`~lightning_dta.module.DTAModule` with ``critic=``). The
+    rewards are checked now, so a missing one is reported with its step."""
+    _rewards(rollouts)
+    return list(rollouts)
+
+
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
     "grpo-no-std": partial(grpo_advantages, scale_by_std=False),
     "reinforce-baseline": reinforce_baseline_advantages,
+    "gae": _critic_estimated,
 }
 """The estimators ``estimate_advantages`` knows by name; add an entry to register your own."""
 

@@ -26,7 +26,8 @@ LEVELS = get_args(Level)
 # Names of the raw sums every engine accumulates; metrics are ratios of these, so sums from several trees,
 # micro-steps or ranks can be added before the ratios are taken.
 METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum", "entropy_sum", "ratio_sum",
-               "importance_weight_sum", "capped_tokens", "nonfinite_tokens")
+               "importance_weight_sum", "capped_tokens", "nonfinite_tokens", "value_sum", "value_error_sq_sum",
+               "value_clipped_tokens")
 
 
 @dataclass
@@ -46,74 +47,28 @@ class TokenData:
     any_ref: bool = False  # whether any rollout of the step has reference log-probs
     seq_log_weight: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of prox - old
     seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
+    returns: torch.Tensor | None = None  # [R, L]: the critic's targets (ValueLoss)
+    old_values: torch.Tensor | None = None  # [R, L]: the critic's values at scoring time, NaN where not given
 
 
-@dataclass(frozen=True)
-class PolicyLoss:
-    """Clipped policy-gradient loss (PPO, GSPO or CISPO) with decoupled-PPO importance weights (optionally
-    capped), dual clipping, k3 KL and an entropy bonus; the definitions are in ``docs/losses.md``.
+@dataclass(frozen=True, kw_only=True)
+class StepAggregation:
+    """How per-(token, rollout) terms become the step's loss: shared by the policy and the value loss."""
 
-    For a trained token with log-prob ``logp`` (``old`` defaults to ``logp`` detached, ``prox`` to ``old``):
-    ``ratio = exp(logp - prox)``, ``w = exp(prox - old)``,
-    ``pg = -w * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)``,
-    ``kl = exp(ref - logp) - (ref - logp) - 1``, ``loss = pg + kl_coef * kl - entropy_coef * entropy``,
-    aggregated over the whole step with ``agg``. SFT is ``advantages=1`` with no old log-probs.
-    """
-
-    clip_eps: float = 0.2
-    """PPO clip range below 1: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
-    clip_eps_high: float | None = None
-    """PPO clip range above 1 ("clip-higher"); null: clip_eps."""
-    kl_coef: float = 0.0
-    """weight of the k3 KL to the rollouts' ref_logprobs."""
-    entropy_coef: float = 0.0
-    """weight of the entropy bonus."""
     agg: Aggregation = "token-mean"
     """aggregation over the whole step: token-mean, seq-mean-token-mean, seq-mean-token-sum,
     seq-mean-token-sum-norm (Dr. GRPO: token sums divided by the constant agg_norm_length) or sum."""
     agg_norm_length: int | None = None
     """seq-mean-token-sum-norm only (required there): the constant length L each rollout's token sum is divided by."""
-    loss_mode: LossMode = "ppo"
-    """ppo: the token-level clipped ratio; gspo: the sequence-level ratio exp(mean_t(logp - prox)) of the current
-    weights in its token form; cispo: -w * sg(clip(ratio)) * A * logp (the clipped ratio only weights the gradient)."""
-    dual_clip: float | None = None
-    """ppo only: for A < 0 the surrogate is bounded by dual_clip * A (dual-clip PPO; > 1, e.g. 3)."""
-    importance_weight_cap: float | None = None
-    """cap C >= 1 of the decoupled-PPO weight w = exp(prox - old) (stale async rollouts, inference/trainer
-    log-prob mismatch); null: no cap."""
-    importance_weight_mode: WeightMode = "truncate"
-    """truncate: min(w, C) (TIS); mask: w * [w <= C] (MIS, drops the token's term)."""
-    importance_level: Level = "token"
-    """token: w per token; sequence: w_i = exp(mean over the rollout's trained tokens of (prox - old))."""
 
     def __post_init__(self) -> None:
-        for name, value, choices in (("agg", self.agg, AGGREGATIONS), ("loss_mode", self.loss_mode, LOSS_MODES),
-                                     ("importance_weight_mode", self.importance_weight_mode, WEIGHT_MODES),
-                                     ("importance_level", self.importance_level, LEVELS)):
-            if value not in choices:
-                raise ValueError(f"PolicyLoss.{name} is {value!r}; choose one of {choices}")
-        if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
-            raise ValueError("PolicyLoss.clip_eps and clip_eps_high must be >= 0")
+        if self.agg not in AGGREGATIONS:
+            raise ValueError(f"{type(self).__name__}.agg is {self.agg!r}; choose one of {AGGREGATIONS}")
         if (self.agg == "seq-mean-token-sum-norm") != (self.agg_norm_length is not None):
-            raise ValueError("PolicyLoss.agg_norm_length is required by agg='seq-mean-token-sum-norm' and used by "
-                             f"nothing else (agg={self.agg!r}, agg_norm_length={self.agg_norm_length!r})")
+            raise ValueError(f"{type(self).__name__}.agg_norm_length is required by agg='seq-mean-token-sum-norm' "
+                             f"and used by nothing else (agg={self.agg!r}, agg_norm_length={self.agg_norm_length!r})")
         if self.agg_norm_length is not None and self.agg_norm_length < 1:
-            raise ValueError(f"PolicyLoss.agg_norm_length={self.agg_norm_length} must be >= 1")
-        if self.dual_clip is not None and (self.dual_clip <= 1 or self.loss_mode != "ppo"):
-            raise ValueError(f"PolicyLoss.dual_clip={self.dual_clip} must be > 1 and needs loss_mode='ppo'")
-        if self.importance_weight_cap is not None and not self.importance_weight_cap >= 1:
-            raise ValueError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
-                             "below 1 it would shrink weights that are already on-policy")
-
-    @property
-    def needs_entropy_grad(self) -> bool:
-        return self.entropy_coef != 0.0
-
-    @property
-    def needs_sequence_ratio(self) -> bool:
-        """GSPO's ratio is a statistic of the whole rollout under the current weights: the engine computes it in a
-        forward-only pass before the walk."""
-        return self.loss_mode == "gspo"
+            raise ValueError(f"{type(self).__name__}.agg_norm_length={self.agg_norm_length} must be >= 1")
 
     def normalizer(self, masks: Sequence[torch.Tensor]) -> float:
         """The step's loss normaliser from per-rollout loss masks: trained tokens for ``token-mean``,
@@ -140,6 +95,65 @@ class PolicyLoss:
         if self.agg == "seq-mean-token-sum-norm":
             return torch.full_like(counts, 1.0 / (norm * self.agg_norm_length))
         return torch.ones_like(counts)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicyLoss(StepAggregation):
+    """Clipped policy-gradient loss (PPO, GSPO or CISPO) with decoupled-PPO importance weights (optionally
+    capped), dual clipping, k3 KL and an entropy bonus; the definitions are in ``docs/losses.md``.
+
+    For a trained token with log-prob ``logp`` (``old`` defaults to ``logp`` detached, ``prox`` to ``old``):
+    ``ratio = exp(logp - prox)``, ``w = exp(prox - old)``,
+    ``pg = -w * min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)``,
+    ``kl = exp(ref - logp) - (ref - logp) - 1``, ``loss = pg + kl_coef * kl - entropy_coef * entropy``,
+    aggregated over the whole step with ``agg``. SFT is ``advantages=1`` with no old log-probs.
+    """
+
+    clip_eps: float = 0.2
+    """PPO clip range below 1: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: float | None = None
+    """PPO clip range above 1 ("clip-higher"); null: clip_eps."""
+    kl_coef: float = 0.0
+    """weight of the k3 KL to the rollouts' ref_logprobs."""
+    entropy_coef: float = 0.0
+    """weight of the entropy bonus."""
+    loss_mode: LossMode = "ppo"
+    """ppo: the token-level clipped ratio; gspo: the sequence-level ratio exp(mean_t(logp - prox)) of the current
+    weights in its token form; cispo: -w * sg(clip(ratio)) * A * logp (the clipped ratio only weights the gradient)."""
+    dual_clip: float | None = None
+    """ppo only: for A < 0 the surrogate is bounded by dual_clip * A (dual-clip PPO; > 1, e.g. 3)."""
+    importance_weight_cap: float | None = None
+    """cap C >= 1 of the decoupled-PPO weight w = exp(prox - old) (stale async rollouts, inference/trainer
+    log-prob mismatch); null: no cap."""
+    importance_weight_mode: WeightMode = "truncate"
+    """truncate: min(w, C) (TIS); mask: w * [w <= C] (MIS, drops the token's term)."""
+    importance_level: Level = "token"
+    """token: w per token; sequence: w_i = exp(mean over the rollout's trained tokens of (prox - old))."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name, value, choices in (("loss_mode", self.loss_mode, LOSS_MODES),
+                                     ("importance_weight_mode", self.importance_weight_mode, WEIGHT_MODES),
+                                     ("importance_level", self.importance_level, LEVELS)):
+            if value not in choices:
+                raise ValueError(f"PolicyLoss.{name} is {value!r}; choose one of {choices}")
+        if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
+            raise ValueError("PolicyLoss.clip_eps and clip_eps_high must be >= 0")
+        if self.dual_clip is not None and (self.dual_clip <= 1 or self.loss_mode != "ppo"):
+            raise ValueError(f"PolicyLoss.dual_clip={self.dual_clip} must be > 1 and needs loss_mode='ppo'")
+        if self.importance_weight_cap is not None and not self.importance_weight_cap >= 1:
+            raise ValueError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
+                             "below 1 it would shrink weights that are already on-policy")
+
+    @property
+    def needs_entropy_grad(self) -> bool:
+        return self.entropy_coef != 0.0
+
+    @property
+    def needs_sequence_ratio(self) -> bool:
+        """GSPO's ratio is a statistic of the whole rollout under the current weights: the engine computes it in a
+        forward-only pass before the walk."""
+        return self.loss_mode == "gspo"
 
     def _importance_weight(self, old: torch.Tensor, prox: torch.Tensor, data: TokenData
                            ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,6 +222,52 @@ class PolicyLoss:
         return weighted
 
 
+@dataclass(frozen=True, kw_only=True)
+class ValueLoss(StepAggregation):
+    """The critic's clipped value loss per (token, rollout): ``0.5 * max((v - R)^2, (clip(v, old - e, old + e) - R)^2)``
+    with ``R`` the rollout's ``returns`` and ``old`` its ``old_values`` (without them, or with ``clip_eps=None``:
+    ``0.5 * (v - R)^2``), aggregated over the step like the policy loss. ``v`` is the value head's output at the
+    position before the token (the state the token is emitted from), as log-probs are indexed."""
+
+    clip_eps: float | None = 0.2
+    """clip range of the value around old_values (PPO's value clipping); null: no clipping."""
+
+    kl_coef = 0.0  # the policy-loss attributes the engine reads, constant here
+    entropy_coef = 0.0
+    loss_mode = "value"
+    importance_level = "token"
+    needs_entropy_grad = False
+    needs_sequence_ratio = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.clip_eps is not None and self.clip_eps < 0:
+            raise ValueError(f"ValueLoss.clip_eps={self.clip_eps} must be >= 0 (or null)")
+
+    def __call__(self, values: torch.Tensor, entropy: torch.Tensor | None, data: TokenData,
+                 sums: dict) -> torch.Tensor:
+        """Weighted loss of a ``[R, L]`` grid of values; adds metric sums into ``sums``."""
+        mask, returns = data.mask, data.returns
+        error = (values - returns).square()
+        loss = 0.5 * error
+        clipped_error = None
+        if self.clip_eps is not None and data.old_values is not None:
+            has_old = ~torch.isnan(data.old_values)
+            old = torch.where(has_old, data.old_values, values.detach())
+            clipped = old + (values - old).clamp(-self.clip_eps, self.clip_eps)
+            clipped_error = (clipped - returns).square()
+            loss = 0.5 * torch.maximum(error, clipped_error)
+        weighted = (loss * (mask * data.weight)).sum()
+        with torch.no_grad():
+            sums["trained_tokens"] += mask.sum()
+            sums["value_sum"] += (values.detach() * mask).sum()
+            sums["value_error_sq_sum"] += (error.detach() * mask).sum()
+            sums["nonfinite_tokens"] += (~torch.isfinite(loss.detach()) * mask).sum()
+            if clipped_error is not None:
+                sums["value_clipped_tokens"] += ((clipped_error > error) * mask).sum()
+        return weighted
+
+
 def metrics_from_sums(sums: dict) -> dict[str, float]:
     """Turn raw sums (floats or 0-d tensors) into the reported metrics: means over trained (token, rollout)
     pairs, plus the trained-token count."""
@@ -223,7 +283,11 @@ def metrics_from_sums(sums: dict) -> dict[str, float]:
         "importance_weight_mean": sums.get("importance_weight_sum", 0.0) / n,
         "capped_fraction": sums.get("capped_tokens", 0.0) / n,
         "nonfinite_tokens": sums.get("nonfinite_tokens", 0.0),
-    }
+    } | ({  # a critic's step (ValueLoss)
+        "value_mean": sums.get("value_sum", 0.0) / n,
+        "value_mse": sums.get("value_error_sq_sum", 0.0) / n,
+        "value_clip_fraction": sums.get("value_clipped_tokens", 0.0) / n,
+    } if sums.get("value_error_sq_sum", 0.0) or sums.get("value_sum", 0.0) else {})
 
 
 def empty_sums() -> dict[str, float]:

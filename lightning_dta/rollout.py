@@ -13,8 +13,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs")
+PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "returns", "old_values")
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
+VALUE_FIELDS = ("returns", "old_values")  # per token, index 0 ignored, any finite number
 
 
 MAX_REPORTED = 20  # faults listed in one error; the rest are counted
@@ -69,6 +70,8 @@ class Rollout:
         ref_logprobs: reference-policy log-probs for the KL penalty (index 0 ignored).
         reward: scalar reward, used by advantage estimators.
         group_id: rollouts with the same id form a group (GRPO).
+        returns: the critic's regression target of each token (index 0 ignored), e.g. from GAE.
+        old_values: the critic's values when the rollout was scored (index 0 ignored), for value clipping.
     """
 
     input_ids: list[int]
@@ -79,6 +82,8 @@ class Rollout:
     ref_logprobs: list[float] | None = None
     reward: float | None = None
     group_id: str | int | None = None
+    returns: list[float] | None = None
+    old_values: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -172,6 +177,16 @@ def validate_rollout(rollout: Rollout, index: int, vocab_size: int | None = None
             if value > 1e-4:
                 raise RolloutError(index, name, f"entry {pos} is {value}, a log-probability must be <= 0",
                                    "pass log-probs, not probabilities or logits")
+    for name in VALUE_FIELDS:
+        values = getattr(rollout, name)
+        if values is None:
+            continue
+        _check_number_list(index, name, values, n)
+        for pos in range(1, n):
+            value = values[pos]
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise RolloutError(index, name, f"entry {pos} is {value!r}, not a finite number",
+                                   "entry 0 may be anything, the rest must be finite")
     if rollout.reward is not None and (not isinstance(rollout.reward, (int, float))
                                        or not math.isfinite(rollout.reward)):
         raise RolloutError(index, "reward", f"is {rollout.reward!r}, not a finite number", "check the reward function")

@@ -1,5 +1,5 @@
-"""The tree engine: ``tree_backward`` (training) and ``tree_logprobs`` (forward only), configured by
-:class:`EngineOptions`.
+"""The tree engine: ``tree_backward`` (training) and ``tree_logprobs`` / ``tree_values`` (forward only), configured
+by :class:`EngineOptions`.
 
 Modules: ``options`` (every option), ``backward`` / ``logprobs`` (the two entry points), ``walk`` (the
 depth-first traversal both share, and the engine's vocabulary: node, chunk, sibling batch), ``dfs`` (the
@@ -11,9 +11,9 @@ a model), ``step_data`` (per-token loss inputs), ``token_scores`` (log-probs wit
 
 from lightning_dta.engine.backward import TreeBackwardOutput, tree_backward
 from lightning_dta.engine.errors import ModelNotSupportedError
-from lightning_dta.engine.logprobs import tree_logprobs
+from lightning_dta.engine.logprobs import tree_logprobs, tree_values
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import tree_loss_normalizer
 
 __all__ = ["EngineOptions", "ModelNotSupportedError", "TreeBackwardOutput", "tree_backward", "tree_logprobs",
-           "tree_loss_normalizer"]
+           "tree_loss_normalizer", "tree_values"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import forward_batch, score
+from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.sibling_batch import SiblingBatch
@@ -52,9 +52,8 @@ class DFSWalk(TreeWalk):
         return [chunks]
 
     def _loss(self, logits: torch.Tensor, targets: ChunkTargets) -> torch.Tensor:
-        logp, entropy = score(logits, targets.token_ids, self.step.dtype, with_entropy=True,
-                              entropy_grad=self.loss_fn.needs_entropy_grad)
-        loss = self.loss_fn(logp, entropy, targets.data, self.sums)
+        scores, entropy = loss_inputs(self.loss_fn, logits, targets.token_ids, self.step.dtype)
+        loss = self.loss_fn(scores, entropy, targets.data, self.sums)
         self.total_loss += loss.detach()
         return loss
 

@@ -24,6 +24,7 @@ from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.prefix_attention import attention_switch
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.token_scores import token_scores
+from lightning_dta.losses import PolicyLoss, ValueLoss
 
 
 class RecordingCache(DynamicCache):
@@ -102,6 +103,15 @@ def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_
     if not entropy_grad:
         entropy = entropy.detach()
     return logp, entropy[None, :]
+
+
+def loss_inputs(loss_fn: PolicyLoss | ValueLoss, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What ``loss_fn`` takes from a chunk's head outputs ``[C, V]`` for the targets ``[R, C]``: the targets'
+    log-probs and the entropies (policy), or the value head's output at each position for every row (critic)."""
+    if isinstance(loss_fn, ValueLoss):
+        return logits[:, 0].to(dtype)[None, :].expand(targets.shape), None
+    return score(logits, targets, dtype, with_entropy=True, entropy_grad=loss_fn.needs_entropy_grad)
 
 
 def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, columns: torch.Tensor | None,

@@ -25,11 +25,16 @@ from lightning_dta.tree import PrefixTree
 
 
 class LogprobWalk(TreeWalk):
+    """Records the log-prob of every token (``values=False``) or the value head's output at the position before it
+    (``values=True``: a critic built by :func:`~lightning_dta.critic.value_model`)."""
+
     with_grads = False
 
-    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions) -> None:
+    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
+                 values: bool = False) -> None:
         super().__init__(tree, info, engine)
         self.model = model
+        self.values = values
         self.step = StepData(tree)
         lengths = self.step.lengths
         self.out_offsets = torch.cumsum(lengths - 1, 0) - (lengths - 1)
@@ -41,7 +46,7 @@ class LogprobWalk(TreeWalk):
         with expected_sync(self.out.device):  # after the walk: its one host read
             unset = bool(torch.isnan(self.out).any())
         if unset:  # every position is written exactly once by construction
-            raise RuntimeError("tree_logprobs left positions unset; this is a bug in lightning_dta")
+            raise RuntimeError("the forward-only walk left positions unset; this is a bug in lightning_dta")
         return list(torch.split(self.out, (self.step.lengths - 1).tolist()))
 
     def _record(self, logits: torch.Tensor, chunk: Chunk) -> None:
@@ -52,7 +57,10 @@ class LogprobWalk(TreeWalk):
         # columns are sorted and unique: ending at count-1 means 0..count-1, a view instead of a gathered copy
         device = self.out.device
         rows = logits[:count] if int(targets.columns[-1]) == count - 1 else logits[to_device(targets.columns, device)]
-        logp, _ = token_scores(rows, targets.token_ids, self.out.dtype, with_entropy=False)
+        if self.values:
+            logp = rows[:, 0].to(self.out.dtype)[None, :].expand(targets.token_ids.shape)
+        else:
+            logp, _ = token_scores(rows, targets.token_ids, self.out.dtype, with_entropy=False)
         target_pos = chunk.start + targets.columns  # position p predicts token p+1, stored at entry p
         index = self.out_offsets[targets.rollouts][:, None] + target_pos[None, :]
         valid = ((target_pos[None, :] + 1) < self.step.lengths[targets.rollouts][:, None]).flatten()
@@ -87,3 +95,16 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     with torch.no_grad():
         return LogprobWalk(model, info, tree, engine).logprobs()
+
+
+def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
+                **overrides: Any) -> list[torch.Tensor]:
+    """Forward only, for a critic (:func:`~lightning_dta.critic.value_model`): one 1-D tensor per rollout (input
+    order); entry ``t-1`` is the value of token ``t``'s state (the head's output at position ``t - 1``), as
+    ``tree_logprobs`` indexes log-probs and ``Rollout.old_values`` is read (entry ``t``, index 0 unused)."""
+    engine = EngineOptions.resolve(engine, **overrides)
+    info = inspect_model(critic, uses_cache=True, prefix_attention=engine.prefix_attention,
+                         prefix_attention_backend=engine.prefix_attention_backend)
+    check_tree_fits_model(tree, info.vocab_size, info.max_positions)
+    with torch.no_grad():
+        return LogprobWalk(critic, info, tree, engine, values=True).logprobs()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import forward_plain, score
+from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.losses import PolicyLoss
@@ -79,8 +79,8 @@ def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: Ste
         # split, not slices: backward assembles one gradient buffer instead of a full-size one per node
         per_node = torch.split(logits, [targets.columns.numel() for _, targets in rows])
         for node_logits, (_, targets) in zip(per_node, rows):
-            logp, entropy = score(node_logits, targets.token_ids, step.dtype, True, loss_fn.needs_entropy_grad)
-            loss = loss + loss_fn(logp, entropy, targets.data, sums)
+            scores, entropy = loss_inputs(loss_fn, node_logits, targets.token_ids, step.dtype)
+            loss = loss + loss_fn(scores, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()
     return total

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import forward_plain, score
+from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.sibling_batch import row_logits
 from lightning_dta.engine.step_data import StepData
@@ -52,8 +52,8 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
         loss = 0.0
         grids = [targets for _, targets in rows]
         for row, targets in zip(row_logits(logits, columns, [targets.columns for targets in grids]), grids):
-            logp, entropy = score(row, targets.token_ids, step.dtype, True, loss_fn.needs_entropy_grad)
-            loss = loss + loss_fn(logp, entropy, targets.data, sums)
+            scores, entropy = loss_inputs(loss_fn, row, targets.token_ids, step.dtype)
+            loss = loss + loss_fn(scores, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()
     return total

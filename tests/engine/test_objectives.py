@@ -14,18 +14,11 @@ import pytest
 import torch
 
 import lightning_dta as dta
-from tests.helpers.models import make_model, random_tree_rollouts
+from tests.helpers.models import OBJECTIVE_CONFIGS, make_model, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
 
 RTOL64 = 1e-5
-CONFIGS = {
-    "dfs-keep": dict(mode="dfs"),
-    "dfs-keep-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
-    "dfs-recompute-chunk": dict(mode="dfs", activation="recompute", chunk_size=3),
-    "dfs-model-attention": dict(mode="dfs", prefix_attention=False),
-    "mask": dict(mode="mask"),
-    "vanilla": dict(mode="vanilla"),
-}
+CONFIGS = OBJECTIVE_CONFIGS
 OBJECTIVES = {
     "dual-clip": dta.PolicyLoss(clip_eps=0.1, dual_clip=1.5),
     "tis-token": dta.PolicyLoss(importance_weight_cap=1.2),

@@ -110,3 +110,14 @@ def make_rollout(rng: random.Random, ids: list[int], per_token: bool = True, wit
         kwargs["prox_logprobs"] = [v + rng.uniform(-0.3, 0.3) if v < -0.4 else v for v in kwargs["old_logprobs"]]
         kwargs["ref_logprobs"] = [-rng.uniform(0.5, 7.0) for _ in range(n)]
     return dta.Rollout(input_ids=ids, loss_mask=mask, advantages=adv, **kwargs)
+
+
+# The engine configurations every objective's exactness test runs (tests/engine/test_objectives.py, test_critic.py).
+OBJECTIVE_CONFIGS = {
+    "dfs-keep": dict(mode="dfs"),
+    "dfs-keep-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
+    "dfs-recompute-chunk": dict(mode="dfs", activation="recompute", chunk_size=3),
+    "dfs-model-attention": dict(mode="dfs", prefix_attention=False),
+    "mask": dict(mode="mask"),
+    "vanilla": dict(mode="vanilla"),
+}

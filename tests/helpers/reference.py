@@ -10,6 +10,21 @@ import torch
 import lightning_dta as dta
 
 
+def aggregate(per_rollout: list[tuple[torch.Tensor, int]], loss_fn) -> torch.Tensor:
+    """The step loss from each rollout's (sum of its token terms, its trained-token count), as docs/losses.md
+    defines every ``agg``."""
+    if loss_fn.agg == "token-mean":
+        return sum(s for s, _ in per_rollout) / max(sum(c for _, c in per_rollout), 1)
+    if loss_fn.agg == "sum":
+        return sum(s for s, _ in per_rollout)
+    trained = [(s, c) for s, c in per_rollout if c > 0]
+    if loss_fn.agg == "seq-mean-token-mean":
+        return sum(s / c for s, c in trained) / max(len(trained), 1)
+    if loss_fn.agg == "seq-mean-token-sum-norm":
+        return sum(s / loss_fn.agg_norm_length for s, _ in trained) / max(len(trained), 1)
+    return sum(s for s, _ in trained) / max(len(trained), 1)
+
+
 def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss) -> torch.Tensor:
     """The step loss as a differentiable scalar, computed rollout by rollout and token by token."""
     eps_low = loss_fn.clip_eps
@@ -63,16 +78,7 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
                 term = term - loss_fn.entropy_coef * -(p * log_probs[t - 1]).sum()
             total = total + term
         per_rollout.append((total, len(trained)))
-    if loss_fn.agg == "token-mean":
-        return sum(s for s, _ in per_rollout) / max(sum(c for _, c in per_rollout), 1)
-    if loss_fn.agg == "sum":
-        return sum(s for s, _ in per_rollout)
-    trained_rollouts = [(s, c) for s, c in per_rollout if c > 0]
-    if loss_fn.agg == "seq-mean-token-mean":
-        return sum(s / c for s, c in trained_rollouts) / max(len(trained_rollouts), 1)
-    if loss_fn.agg == "seq-mean-token-sum-norm":
-        return sum(s / loss_fn.agg_norm_length for s, _ in trained_rollouts) / max(len(trained_rollouts), 1)
-    return sum(s for s, _ in trained_rollouts) / max(len(trained_rollouts), 1)
+    return aggregate(per_rollout, loss_fn)
 
 
 def reference_grads(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss
@@ -121,3 +127,27 @@ def assert_grads_close(actual: dict[str, torch.Tensor], expected: dict[str, torc
         assert rel <= rtol, f"{what}: {name} relative gradient error {rel:.3e} > {rtol:.0e}"
     assert math.isfinite(worst)
     return worst
+
+
+def reference_value_loss(critic: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.ValueLoss
+                         ) -> torch.Tensor:
+    """The critic's step loss, rollout by rollout and token by token: the value of token t's state is the head's
+    output at position t - 1."""
+    per_rollout = []
+    device = next(critic.parameters()).device
+    for r in rollouts:
+        values = critic(input_ids=torch.tensor([r.input_ids], device=device)).logits[0, :, 0]
+        mask = [0] + [1] * (len(r.input_ids) - 1) if r.loss_mask is None else list(r.loss_mask)
+        total, count = torch.zeros((), dtype=values.dtype, device=device), 0
+        for t in range(1, len(r.input_ids)):
+            if not mask[t]:
+                continue
+            v, ret = values[t - 1], r.returns[t]
+            term = 0.5 * (v - ret) ** 2
+            if loss_fn.clip_eps is not None and r.old_values is not None:
+                old = r.old_values[t]
+                clipped = torch.clamp(v, old - loss_fn.clip_eps, old + loss_fn.clip_eps)
+                term = torch.maximum(term, 0.5 * (clipped - ret) ** 2)
+            total, count = total + term, count + 1
+        per_rollout.append((total, count))
+    return aggregate(per_rollout, loss_fn)
