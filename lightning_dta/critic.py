@@ -14,7 +14,10 @@ from torch import nn
 
 def value_model(model: nn.Module) -> nn.Module:
     """Turn ``model`` (a Hugging Face causal LM) into a critic, in place: its output embeddings become a scalar
-    head (zero-initialised, so every value starts at 0) and are untied from the input embeddings."""
+    head (zero-initialised, so every value starts at 0) and are untied from the input embeddings. A model that is
+    already a critic is returned as it is."""
+    if getattr(getattr(model, "config", None), "is_value_model", False):
+        return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         raise TypeError(f"{type(model).__name__} has no linear LM head to replace (get_output_embeddings() is "

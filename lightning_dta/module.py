@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import warnings
 from collections.abc import Mapping
 from os import PathLike
@@ -26,10 +27,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_dta.advantages import gae_advantages
 from lightning_dta.batch import StepBatch
-from lightning_dta.engine import EngineOptions
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.step import DFSStepMixin, StepOutput
+from lightning_dta.critic import value_model
+from lightning_dta.distributed import DEFAULT_BUCKET_MB
+from lightning_dta.engine import EngineOptions, tree_values
+from lightning_dta.losses import PolicyLoss, ValueLoss
+from lightning_dta.step import DFSStepMixin, StepOutput, gradient_norm, tree_step_backward
 from lightning_dta.tree import PrefixTree
 
 ModelSpec = str | dict[str, Any] | nn.Module
@@ -117,21 +121,34 @@ class DTAModule(DFSStepMixin, LightningModule):
             (``Trainer(gradient_clip_val=...)`` is refused by Lightning in manual optimization).
         max_nonfinite_skips: a step whose loss or gradient norm is not finite is skipped on every rank (a warning
             names the rollouts with non-finite terms); this many skipped steps in a row stop the run.
+        critic: PPO with a learned baseline: a model spec like ``model`` (built with ``model_kwargs``) turned into
+            a critic (:func:`~lightning_dta.critic.value_model`). Each step then fills the rollouts' ``old_values``
+            with ``tree_values``, estimates advantages and returns with GAE, trains the policy, and trains the
+            critic with ``value_loss`` on the same tree (its own optimizer, the same clipping). Needs
+            ``advantage_estimator: gae`` on the data side (the data module's or the online source's).
+        critic_optimizer: called with the critic's parameters.
+        value_loss: the critic's :class:`~lightning_dta.ValueLoss`.
+        gae_gamma, gae_lambda: GAE's discount and trace decay (:func:`~lightning_dta.advantages.gae_advantages`).
     """
 
     def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
                  loss: PolicyLoss = PolicyLoss(), engine: EngineOptions = EngineOptions(),  # noqa: B008 (frozen)
                  optimizer: OptimizerCallable = torch.optim.AdamW, lr_scheduler: LRSchedulerCallable | None = None,
                  gradient_clip_val: float | None = None, gradient_clip_algorithm: str = "norm",
-                 max_nonfinite_skips: int = 3) -> None:
+                 max_nonfinite_skips: int = 3, critic: ModelSpec | None = None,
+                 critic_optimizer: OptimizerCallable = torch.optim.AdamW,
+                 value_loss: ValueLoss = ValueLoss(), gae_gamma: float = 1.0,  # noqa: B008 (frozen)
+                 gae_lambda: float = 1.0) -> None:
         super().__init__()
         self.automatic_optimization = False
         if max_nonfinite_skips < 1:
             raise ValueError(f"max_nonfinite_skips={max_nonfinite_skips} must be >= 1")
         self.max_nonfinite_skips = max_nonfinite_skips
         self.loss_fn = loss if isinstance(loss, PolicyLoss) else PolicyLoss(**loss)  # a mapping: from a checkpoint
+        self.value_loss = value_loss if isinstance(value_loss, ValueLoss) else ValueLoss(**value_loss)
         self.engine = EngineOptions.resolve(engine)
-        self._save_plain_hyperparameters(ignore=["model"] if isinstance(model, nn.Module) else [])
+        self._save_plain_hyperparameters(ignore=[name for name, value in (("model", model), ("critic", critic))
+                                                 if isinstance(value, nn.Module)])
         self.model_spec = None if isinstance(model, nn.Module) else model  # a module is registered once, below
         self.model_kwargs = dict(model_kwargs or {})
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
@@ -140,6 +157,14 @@ class DTAModule(DFSStepMixin, LightningModule):
         self.lr_scheduler_factory = lr_scheduler
         self.gradient_clip_val = gradient_clip_val
         self.gradient_clip_algorithm = gradient_clip_algorithm
+        self.critic_spec = critic
+        self.critic: nn.Module | None = None  # built in configure_model
+        self.critic_optimizer_factory = critic_optimizer
+        if not (0.0 <= gae_gamma <= 1.0 and 0.0 <= gae_lambda <= 1.0):
+            raise ValueError(f"gae_gamma={gae_gamma} and gae_lambda={gae_lambda} must lie in [0, 1]")
+        self.gae_gamma, self.gae_lambda = gae_gamma, gae_lambda
+        self._critic_optimizer: torch.optim.Optimizer | None = None
+        self._critic_optimizer_state: dict | None = None  # from a checkpoint, applied when the optimizer exists
 
     def _save_plain_hyperparameters(self, ignore: list[str]) -> None:
         """``save_hyperparameters`` minus Python objects (an optimizer class, a ``functools.partial``), with the loss
@@ -150,11 +175,13 @@ class DTAModule(DFSStepMixin, LightningModule):
         LightningCLI the hyper-parameters are the parsed config (plain data) and are all kept.
         """
         frame = inspect.currentframe().f_back
-        self.save_hyperparameters(ignore=[*ignore, "loss", "engine"], frame=frame)
+        structured = ["loss", "engine", "value_loss"]
+        self.save_hyperparameters(ignore=[*ignore, *structured], frame=frame)
         opaque = [key for key, value in self.hparams.items() if not _is_plain(value)]
         if opaque:
-            self.save_hyperparameters(ignore=[*ignore, "loss", "engine", *opaque], frame=frame)
+            self.save_hyperparameters(ignore=[*ignore, *structured, *opaque], frame=frame)
         self.hparams.update(loss=dataclasses.asdict(self.loss_fn), engine=self.engine.to_dict())
+        self.hparams.update(value_loss=dataclasses.asdict(self.value_loss))
 
     @override
     def configure_model(self) -> None:
@@ -162,13 +189,17 @@ class DTAModule(DFSStepMixin, LightningModule):
 
         Under a sharding strategy (``dta_fsdp``) a checkpoint path or hub name is built on the meta device and
         the strategy loads it into the shards (``hf_checkpoint``), so no rank holds the whole model."""
-        if self.model is not None:
-            return
         strategy = self._trainer.strategy if self._trainer is not None else None
-        if getattr(strategy, "shards_model", False) and isinstance(self.model_spec, (str, PathLike)):
-            self.model, self.hf_checkpoint = build_on_meta(self.model_spec, self.model_kwargs)
-        else:
-            self.model = build_causal_lm(self.model_spec, self.model_kwargs)
+        if self.model is None:
+            if getattr(strategy, "shards_model", False) and isinstance(self.model_spec, (str, PathLike)):
+                self.model, self.hf_checkpoint = build_on_meta(self.model_spec, self.model_kwargs)
+            else:
+                self.model = build_causal_lm(self.model_spec, self.model_kwargs)
+        if self.critic_spec is not None and self.critic is None:  # after the policy: its random init is unchanged
+            if getattr(strategy, "shards_model", False):
+                raise ValueError("DTAModule(critic=...) is not supported with strategy='dta_fsdp' yet (the critic "
+                                 "would be a second sharded model). Fix: strategy='dta', or GRPO-style advantages")
+            self.critic = value_model(build_causal_lm(self.critic_spec, self.model_kwargs))
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -176,6 +207,12 @@ class DTAModule(DFSStepMixin, LightningModule):
         without downloading anything."""
         if self.model is not None and hasattr(self.model, "config"):
             checkpoint["hf_config"] = self.model.config.to_dict()
+        if self._critic_optimizer is not None:  # not a Lightning optimizer (see _critic_step): saved here
+            checkpoint["critic_optimizer"] = self._critic_optimizer.state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._critic_optimizer_state = checkpoint.get("critic_optimizer")
 
     @override
     def configure_optimizers(self) -> Any:
@@ -194,18 +231,74 @@ class DTAModule(DFSStepMixin, LightningModule):
         connect = getattr(getattr(self.trainer, "datamodule", None), "connect_model", None)
         if callable(connect) and self.model is not None:
             connect(self.model)
+        self._check_gae_setup()
         if self.model is not None:
             total = sum(p.numel() for p in self.model.parameters())
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             rank_zero_info(f"model: {type(self.model).__name__}, {total:,} parameters ({trained:,} trained), "
                            f"{next(self.model.parameters()).dtype}")
 
+    def _check_gae_setup(self) -> None:
+        """A critic and advantage_estimator='gae' come together: one without the other trains on something else."""
+        datamodule = getattr(self.trainer, "datamodule", None)
+        estimators = {getattr(datamodule, "advantage_estimator", None),
+                      getattr(getattr(datamodule, "source", None), "advantage_estimator", None)}
+        if "gae" in estimators and self.critic is None:
+            raise ValueError("advantage_estimator='gae' needs a critic to estimate the advantages. Fix: "
+                             "DTAModule(critic=...) (in YAML model.critic: a model spec like model.model)")
+        if self.critic is not None and "gae" not in estimators:
+            raise ValueError(f"DTAModule(critic=...) estimates advantages with GAE, but the data side uses "
+                             f"{sorted(e for e in estimators if e) or 'the rollouts own advantages'}. Fix: "
+                             "advantage_estimator: gae (on the data module, or on the online source)")
+
+    def _estimate_with_critic(self, tree: PrefixTree | None) -> None:
+        """The critic's values on the step's tree (one forward-only walk), then GAE: each rollout's advantages
+        and returns, in place (the tree's rollouts are this step's own)."""
+        if tree is None:
+            return
+        for rollout, values in zip(tree.rollouts, tree_values(self.critic, tree, engine=self.engine)):
+            rollout.old_values = [0.0] + values.double().cpu().tolist()
+        for rollout, estimated in zip(tree.rollouts, gae_advantages(tree.rollouts, self.gae_gamma, self.gae_lambda)):
+            rollout.advantages, rollout.returns = estimated.advantages, estimated.returns
+
+    def _critic_step(self, tree: PrefixTree | None) -> StepOutput:
+        """One optimizer step of the critic on the same tree. Its optimizer is a plain torch optimizer, not one of
+        Lightning's: a second LightningOptimizer.step() would count twice in global_step (max_steps, the RL
+        loop's policy version)."""
+        if self._critic_optimizer is None:
+            self._critic_optimizer = self.critic_optimizer_factory(self.critic.parameters())
+            if self._critic_optimizer_state is not None:
+                self._critic_optimizer.load_state_dict(self._critic_optimizer_state)
+        self._critic_optimizer.zero_grad(set_to_none=True)
+        bucket_mb = getattr(self.trainer.strategy, "bucket_mb", DEFAULT_BUCKET_MB)
+        out = tree_step_backward(self.critic, tree, self.value_loss, engine=self.engine, bucket_mb=bucket_mb)
+        out.grad_norm = gradient_norm(self.critic.parameters())
+        if not (math.isfinite(out.loss) and math.isfinite(out.grad_norm)):
+            self._critic_optimizer.zero_grad(set_to_none=True)
+            out.skipped = True
+            return out
+        if self.gradient_clip_val:
+            if self.gradient_clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(self.critic.parameters(), self.gradient_clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.gradient_clip_val)
+        self._critic_optimizer.step()
+        return out
+
     @override
     def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:
+        if self.critic is not None:
+            self._estimate_with_critic(batch.tree if isinstance(batch, StepBatch) else batch)
         out = self.dfs_training_step(batch, self.loss_fn, model=self.model, engine=self.engine,
                                      gradient_clip_val=self.gradient_clip_val,
                                      gradient_clip_algorithm=self.gradient_clip_algorithm)
         self._guard_nonfinite(out, batch, batch_idx)
+        if self.critic is not None:
+            critic = self._critic_step(batch.tree if isinstance(batch, StepBatch) else batch)
+            self.log_dict({f"critic/{key}": value for key, value in critic.metrics.items()
+                           if key.startswith("value_") or key == "loss"} | {
+                              "critic/loss": critic.loss, "critic/grad_norm": critic.grad_norm or 0.0,
+                              "critic/skipped": float(critic.skipped)}, on_step=True, on_epoch=False, batch_size=1)
         lr = self.optimizers().optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler = self.lr_schedulers()
         if scheduler is not None:

@@ -66,6 +66,8 @@ def episode_rollouts(episodes: list[Episode], advantage_estimator: str | None) -
     in its group, so an episode with more calls does not weigh more) and copied to each of its calls."""
     if advantage_estimator is None:
         return [call for episode in episodes for call in episode.calls]
+    if advantage_estimator == "gae":  # the module's critic estimates them; each call carries its episode's reward
+        return [dataclasses.replace(call, reward=episode.reward) for episode in episodes for call in episode.calls]
     stand_ins = [Rollout(input_ids=[0, 0], reward=e.reward, group_id=e.prompt_index) for e in episodes]
     estimated = estimate_advantages(stand_ins, advantage_estimator)
     return [dataclasses.replace(call, advantages=estimate.advantages)

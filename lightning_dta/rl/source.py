@@ -88,10 +88,12 @@ class OnlineRolloutSource:
             rank. A fixed number makes every block the same computation on any number of ranks, so runs on 1, 2
             or 8 ranks generate bitwise the same rollouts; ``None`` keeps the sampling seeds but lets batch sizes,
             hence float rounding, follow the number of ranks.
-        advantage_estimator: ``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"`` or ``None``. Estimated per
-            *episode* (one reward per episode, its group = its prompt) over the whole step and given to each of its
-            calls, so an episode with more calls does not weigh more in its group's baseline. Leave the data
-            module's own ``advantage_estimator`` unset (the callback refuses both).
+        advantage_estimator: ``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``, ``"gae"`` or ``None``. The
+            first three are estimated per *episode* (one reward per episode, its group = its prompt) over the whole
+            step and given to each of its calls, so an episode with more calls does not weigh more in its group's
+            baseline. ``"gae"``: each call carries its episode's reward and ``DTAModule(critic=...)`` estimates
+            the advantages in the training step from its critic's values. Leave the data module's own
+            ``advantage_estimator`` unset (the callback refuses both).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after

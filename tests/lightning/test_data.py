@@ -298,7 +298,7 @@ def test_trainer_rank_and_explicit_overrides():
     with pytest.raises(ValueError, match="rollouts_per_step"):
         RolloutDataModule(source=[], rollouts_per_step=4)
     with pytest.raises(ValueError, match="unknown"):
-        RolloutDataModule(path=TINY, advantage_estimator="gae")
+        RolloutDataModule(path=TINY, advantage_estimator="vtrace")
 
 
 def load_script():

@@ -20,6 +20,7 @@ from lightning_dta.data import RolloutDataModule
 from lightning_dta.module import build_causal_lm
 from tests import helpers
 from tests.helpers.lightning import TINY_LLAMA, StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
+from tests.helpers.reference import reference_value_loss
 
 LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
 DATA = helpers.REPO / "data" / "tiny_rollouts.jsonl"
@@ -124,3 +125,64 @@ def test_checkpoint_resume_gives_the_uninterrupted_step(tmp_path: Path, data) ->
     assert any(not torch.equal(after_one[n], uninterrupted[n]) for n in uninterrupted)  # step 2 did something
     for name, weight in uninterrupted.items():
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+class _GAEData(StepBatchData):
+    advantage_estimator = "gae"  # what the module checks on the data side before training a critic
+
+
+def test_a_step_with_a_critic_equals_the_hand_written_ppo_step(tmp_path: Path) -> None:
+    """DTAModule(critic=...): values from the critic, GAE (its closed form here), the policy step on those
+    advantages and the critic step on those returns (clipped value loss, SGD), as written out by hand."""
+    rollouts = grpo_rollouts()
+    rng = torch.Generator().manual_seed(0)
+    for rollout in rollouts:
+        rollout.reward = float(torch.rand((), generator=rng))
+    model, critic = tiny_llama(), dta.value_model(tiny_llama(seed=1))
+    with torch.no_grad():
+        critic.get_output_embeddings().weight.normal_(0, 0.3, generator=rng)
+    gamma, lam, value_loss = 0.9, 0.8, dta.ValueLoss(clip_eps=0.01)
+
+    expected = [copy.deepcopy(r) for r in rollouts]  # GAE by hand from each rollout's own critic forward
+    for r in expected:
+        with torch.no_grad():
+            values = critic(input_ids=torch.tensor([r.input_ids])).logits[0, :, 0].tolist()
+        r.old_values = [0.0] + values[:-1]
+        steps = [t for t, m in enumerate(r.loss_mask) if m]
+        v = [r.old_values[t] for t in steps] + [0.0]
+        deltas = [(r.reward if k == len(steps) - 1 else 0.0) + gamma * v[k + 1] - v[k] for k in range(len(steps))]
+        r.advantages, r.returns = [0.0] * len(r), [0.0] * len(r)
+        for k, t in enumerate(steps):
+            r.advantages[t] = sum((gamma * lam) ** j * deltas[k + j] for j in range(len(steps) - k))
+            r.returns[t] = r.advantages[t] + v[k]
+    ref_policy = reference_step(model, expected, LOSS, lr=0.5, clip=0.05)
+    ref_critic = copy.deepcopy(critic)
+    reference_value_loss(ref_critic, expected, value_loss).backward()
+    torch.nn.utils.clip_grad_norm_(ref_critic.parameters(), 0.05)
+    torch.optim.SGD(ref_critic.parameters(), lr=0.3).step()
+
+    module = dta.DTAModule(copy.deepcopy(model), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                           gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS), critic=copy.deepcopy(critic),
+                           critic_optimizer=functools.partial(torch.optim.SGD, lr=0.3), value_loss=value_loss,
+                           gae_gamma=gamma, gae_lambda=lam)
+    data = _GAEData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
+    fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    fit.fit(module, data)
+    assert fit.global_step == 1  # the critic's optimizer step is not counted
+    for name, p in module.model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref_policy["weights"][name], rtol=1e-5, atol=1e-7)
+    for (name, p), q in zip(module.critic.named_parameters(), ref_critic.parameters()):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, msg=name)
+    rows = list(csv.DictReader(open(Path(fit.logger.log_dir) / "metrics.csv")))
+    logged = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}
+    # old_values are this step's own values: with one optimizer step per batch the value clip never binds
+    assert logged["critic/value_clip_fraction"] == 0 and logged["critic/loss"] > 0
+
+
+def test_a_critic_and_gae_come_together(tmp_path: Path) -> None:
+    data = StepBatchData(lambda t: [rank_batch(grpo_rollouts(), t.global_rank, t.world_size)])
+    module = dta.DTAModule(tiny_llama(), critic=TINY_LLAMA)
+    with pytest.raises(ValueError, match="advantage_estimator: gae"):
+        trainer(tmp_path, 1).fit(module, data)
+    with pytest.raises(ValueError, match=r"needs a critic.*DTAModule\(critic=...\)"):
+        trainer(tmp_path, 1).fit(dta.DTAModule(tiny_llama()), _GAEData(data.make))

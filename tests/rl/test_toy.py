@@ -130,6 +130,23 @@ def test_toy_rl_learns_with_gspo(tmp_path):
     assert last >= first + MARGIN, f"GSPO reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"
 
 
+CRITIC = ("{model_type: llama, vocab_size: 16, hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+          "num_attention_heads: 4, num_key_value_heads: 4, max_position_embeddings: 64}")
+
+
+@pytest.mark.slow
+def test_toy_rl_learns_with_ppo_a_critic_and_gae(tmp_path):
+    """PPO with a learned baseline: a critic of the policy's shape (zero value head), GAE with gamma = lam = 1
+    (advantage = reward - value), the critic trained in the same step. Measured 100 steps, seeds 0/1/2: +0.19,
+    +0.14, +0.13; the critic's value MSE falls from 0.18 to 0.03 (seed 0)."""
+    history, rows, _ = run_toy(tmp_path, "sync", f"--model.critic={CRITIC}",
+                               "--data.source.init_args.advantage_estimator=gae")
+    first, last = rise(history)
+    assert last >= first + MARGIN, f"PPO+GAE reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"
+    mse = [r["critic/value_mse"] for r in rows if "critic/value_mse" in r]
+    assert len(mse) == STEPS and statistics.fmean(mse[-WINDOW:]) < statistics.fmean(mse[:WINDOW])  # it learns
+
+
 @pytest.mark.slow
 def test_plain_pytorch_example_is_the_same_loop(sync_run):
     """examples/online_rl.py (no Lightning) with the config's settings and seed gives the same first steps."""
