@@ -139,10 +139,14 @@ class RolloutDataModule(L.LightningDataModule):
 
     Args:
         path: JSONL rollout file (one rollout per line).
-        source: alternatively, an iterable of steps (each a sequence of rollouts), or a callable returning one.
+        source: instead of a file, where steps come from: online RL (in YAML ``class_path:
+            lightning_dta.rl.OnlineRolloutSource`` with its ``init_args``; ``--data.source.help
+            lightning_dta.rl.OnlineRolloutSource`` lists them), or in Python any iterable of steps (each a sequence
+            of rollouts) or a callable returning one.
         rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step.
         advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
-            (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step.
+            (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step, or ``"gae"``
+            (the rewards pass through and ``DTAModule(critic=...)`` estimates advantages in the step).
         partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
         cost_model: the partition's :class:`~lightning_dta.balance.CostModel` (its start, when calibrated).
         calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step

@@ -21,6 +21,7 @@ from torch import nn
 from lightning_dta.bench.workloads import GRPOWorkload, LongSequenceWorkload
 from lightning_dta.distributed import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
+from lightning_dta.engine.activation_budget import path_kv_bytes
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.tree import PrefixTree
@@ -225,10 +226,7 @@ class BenchResults:
 def path_buffer_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     """The dfs path buffers: keys, values and their gradients, per layer, for ``tokens`` positions. They are
     allocated outside autograd, so the saved-tensor meter does not see them."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 4 * config.num_hidden_layers * tokens * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * path_kv_bytes(config, tokens, dtype)
 
 
 def profile_step(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss, spec: ModeSpec) -> str:

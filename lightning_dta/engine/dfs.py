@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dta.engine.activation_budget import ActivationBudget, measure_rates, path_kv_bytes
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.options import EngineOptions
@@ -40,16 +41,52 @@ class DFSWalk(TreeWalk):
         self.loss_fn = loss_fn
         self.sums = sums
         self.total_loss = torch.zeros((), dtype=step.dtype, device=info.device)
+        self.budget: ActivationBudget | None = None
+        if engine.activation == "auto":
+            rates = measure_rates(model, info, step.dtype, loss_fn)
+            longest = max(n.length if engine.chunk_size is None else min(n.length, engine.chunk_size)
+                          for n in tree.iter_nodes())
+            self.budget = ActivationBudget(engine.activation_memory_budget, *rates,
+                                           path_kv_bytes(model.config, tree.stats.max_depth_tokens, info.dtype),
+                                           longest)
 
     def run(self) -> torch.Tensor:
         super().run()
         return self.total_loss
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
-        """Under recompute, leaves need grad at once and inner chunks only at their pop: never one batch."""
-        if self.engine.activation == "recompute":
+        """Under recompute (and auto), leaves need grad at once and inner chunks perhaps only at their pop: never
+        one batch."""
+        if self.engine.activation != "keep":
             return [[c for c in chunks if not c.has_children], [c for c in chunks if c.has_children]]
         return [chunks]
+
+    def chunk_tokens(self) -> int | None:
+        """Under auto, a chunk is also cut so that its forward fits the room the budget keeps free."""
+        if self.budget is None:
+            return self.engine.chunk_size
+        return self.budget.reserve_tokens
+
+    def batch_tokens(self) -> int | None:
+        """With chunk_size, recompute and auto forward one chunk's worth of tokens at a time (a sibling batch of
+        many chunks would hold many chunks' activations); auto keeps one batch within its share of the budget."""
+        limit = self.engine.sibling_batch_tokens
+        chunk = self.chunk_tokens() if self.engine.activation != "keep" else None
+        if chunk is not None:
+            limit = chunk if limit is None else min(limit, chunk)
+        return limit
+
+    def _keeps(self, batch: SiblingBatch, targets: list[ChunkTargets], inner: list[bool]) -> int | None:
+        """Whether this batch keeps its graph until its pop: the bytes it was granted (0 without a budget), or
+        ``None`` to recompute it at the pop."""
+        if self.engine.activation == "keep" or not any(inner):
+            return 0
+        if self.budget is None:
+            return None
+        tokens = sum(batch.lengths) if batch.packed else len(batch.lengths) * max(batch.lengths)
+        predicted = self.budget.predict(tokens, sum(t.columns.numel() for t in targets),
+                                        sum(t.token_ids.numel() for t in targets))
+        return predicted if self.budget.try_keep(predicted) else None
 
     def _loss(self, logits: torch.Tensor, targets: ChunkTargets) -> torch.Tensor:
         scores, entropy = loss_inputs(self.loss_fn, logits, targets.token_ids, self.step.dtype)
@@ -79,7 +116,8 @@ class DFSWalk(TreeWalk):
             chunks, targets = [k[0] for k in kept], [k[1] for k in kept]
         inner = [c.has_children for c in chunks]
         batch = SiblingBatch.of(self.tree, chunks, self.info.packs_siblings)
-        keep = self.engine.activation == "keep" or not any(inner)
+        granted = self._keeps(batch, targets, inner)
+        keep = granted is not None
         loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=keep)
         kv_grads = None
         if any(inner):
@@ -105,3 +143,5 @@ class DFSWalk(TreeWalk):
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.kv.collect(batch.start, leaves_kv)
+        if granted:
+            self.budget.release(granted)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 Mode = Literal["dfs", "vanilla", "mask"]
-Activation = Literal["keep", "recompute"]
+Activation = Literal["keep", "recompute", "auto"]
 Order = Literal["leaves-first", "tree"]
 AttentionBackendName = Literal["cpu-flash", "cuda-flash", "flash-attn", "reference"]
 
@@ -31,7 +31,12 @@ class EngineOptions:
     activation: Activation = "keep"
     """dfs: "keep" keeps each chunk's graph until it is popped; "recompute" pushes without a graph and
     re-forwards the chunk with grad at its pop (memory: the path's keys/values and their gradients plus one
-    chunk's activations)."""
+    chunk's activations); "auto" keeps while the path's kept activations fit activation_memory_budget and
+    recomputes the rest (with chunk_size, recompute and auto forward one chunk's tokens at a time)."""
+
+    activation_memory_budget: int | None = None
+    """dfs, activation="auto" only (required there): bytes that activations saved for backward may hold at
+    once (the kept path plus the batch being forwarded; the path's key/value buffers are not included)."""
 
     chunk_size: int | None = None
     """dfs and forward-only walks: split nodes into chunks of at most this many tokens, popped back to front
@@ -78,6 +83,10 @@ class EngineOptions:
                     raise ValueError(f"EngineOptions.prefix_attention={value!r}; use null, true or false")
             elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"EngineOptions.{spec.name}={value!r}; use null or a positive int")
+        if (self.activation == "auto") != (self.activation_memory_budget is not None):
+            raise ValueError(f"EngineOptions.activation_memory_budget is required by activation='auto' and used by "
+                             f"nothing else (activation={self.activation!r}, activation_memory_budget="
+                             f"{self.activation_memory_budget!r})")
 
     @classmethod
     def resolve(cls, engine: EngineOptions | Mapping[str, Any] | None = None, **overrides: Any) -> EngineOptions:

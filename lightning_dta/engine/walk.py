@@ -108,18 +108,26 @@ class TreeWalk:
         """The chunks of sibling nodes, in the groups batches may not cross (one group here)."""
         return [chunks]
 
+    def chunk_tokens(self) -> int | None:
+        """Nodes are cut into chunks of at most this many tokens (``chunk_size`` here)."""
+        return self.engine.chunk_size
+
+    def batch_tokens(self) -> int | None:
+        """At most this many computed tokens per sibling batch (``sibling_batch_tokens`` here)."""
+        return self.engine.sibling_batch_tokens
+
     def visit_children(self, node: TreeNode) -> None:
-        chunks = [Chunk.first(child, self.engine.chunk_size) for child in order_children(node, self.engine.order)]
+        chunks = [Chunk.first(child, self.chunk_tokens()) for child in order_children(node, self.engine.order)]
         for group in self.groups(chunks):
             if self.engine.order == "leaves-first":
                 group = sorted(group, key=lambda chunk: chunk.length)  # similar lengths: little padding
-            for batch in batch_by_budget(group, self.engine.sibling_batch_tokens, self.info.packs_siblings):
+            for batch in batch_by_budget(group, self.batch_tokens(), self.info.packs_siblings):
                 self.visit_batch(batch)
 
     def descend(self, chunk: Chunk) -> None:
         """Walk what lies below ``chunk``: the node's next chunk, or the node's children."""
         if chunk.end < chunk.node.end:
-            self.visit_batch([Chunk.at(chunk.node, chunk.end, self.engine.chunk_size)])
+            self.visit_batch([Chunk.at(chunk.node, chunk.end, self.chunk_tokens())])
         else:
             self.visit_children(chunk.node)
 

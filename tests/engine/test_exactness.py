@@ -35,6 +35,8 @@ ENGINE_CONFIGS = {
     "dfs-recompute-chunk-model-attention": dict(mode="dfs", activation="recompute", chunk_size=4,
                                                 prefix_attention=False),
     "dfs-recompute-chunk1": dict(mode="dfs", activation="recompute", chunk_size=1, sibling_batch_tokens=16),
+    "dfs-auto": dict(mode="dfs", activation="auto", activation_memory_budget=400_000),  # keeps some, recomputes some
+    "dfs-auto-chunk": dict(mode="dfs", activation="auto", activation_memory_budget=400_000, chunk_size=4),
     "mask": dict(mode="mask"),
     "mask-capped": dict(mode="mask", mask_max_tokens=30),
 }
@@ -238,3 +240,32 @@ def test_gradients_add_to_existing_grad(llama64):
 def test_random_trees_property(seed, num, depth, per_token, config_name, agg, llama64):
     rollouts = random_tree_rollouts(random.Random(seed), num_rollouts=num, max_depth=depth, per_token=per_token)
     check(llama64, rollouts, LOSSES[agg], ENGINE_CONFIGS[config_name])
+
+
+def test_auto_keeps_what_fits_and_recomputes_the_rest(llama64, monkeypatch):
+    """With a tight budget the walk both keeps and recomputes inner batches, stays exact, and the measured bytes
+    saved for backward stay under the budget; with a large one it keeps everything."""
+    from lightning_dta.engine.activation_budget import ActivationBudget
+    from lightning_dta.memory import SavedTensorMeter
+
+    decisions = []
+    try_keep = ActivationBudget.try_keep
+    monkeypatch.setattr(ActivationBudget, "try_keep", lambda self, p: decisions.append(try_keep(self, p)) or
+                        decisions[-1])
+    rollouts = random_tree_rollouts(random.Random(1), num_rollouts=10)
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, kl_coef=0.1)
+    for budget, mixed in ((400_000, True), (10**9, False)):
+        decisions.clear()
+        config = dict(mode="dfs", activation="auto", activation_memory_budget=budget)
+        check(llama64, rollouts, loss_fn, config)
+        assert any(decisions) and (not all(decisions)) == mixed, (budget, decisions)
+        llama64.zero_grad(set_to_none=True)
+        with SavedTensorMeter(llama64) as meter:
+            dta.tree_backward(llama64, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
+        llama64.zero_grad(set_to_none=True)
+        assert meter.peak_bytes <= budget, (meter.peak_bytes, budget)
+    with pytest.raises(ValueError, match="below the path's key/value buffers"):
+        dta.tree_backward(llama64, dta.PrefixTree.from_rollouts(rollouts), loss_fn, activation="auto",
+                          activation_memory_budget=100)
+    with pytest.raises(ValueError, match="activation_memory_budget is required"):
+        dta.EngineOptions(activation="auto")

@@ -22,7 +22,7 @@ def test_defaults_and_choices_come_from_the_dataclass():
     engine = dta.EngineOptions()
     assert engine.mode == "dfs" and engine.activation == "keep" and engine.sibling_batch_tokens == 4096
     assert choices("mode") == ("dfs", "vanilla", "mask")
-    assert choices("activation") == ("keep", "recompute")
+    assert choices("activation") == ("keep", "recompute", "auto")
     assert choices("order") == ("leaves-first", "tree")
 
 
