@@ -67,13 +67,18 @@ class DFSWalk(TreeWalk):
             return self.engine.chunk_size
         return self.budget.reserve_tokens
 
-    def batch_tokens(self) -> int | None:
-        """With chunk_size, recompute and auto forward one chunk's worth of tokens at a time (a sibling batch of
-        many chunks would hold many chunks' activations); auto keeps one batch within its share of the budget."""
+    def batch_tokens(self, group: list[Chunk]) -> int | None:
+        """Under recompute and auto with chunk_size, inner chunks (re-forwarded with grad at their pop) are batched
+        within one chunk's tokens: a batch of many would hold many chunks' activations at the pop. Leaves keep the
+        sibling batches (forward and backward at once). Under auto every batch fits the room the budget keeps."""
         limit = self.engine.sibling_batch_tokens
-        chunk = self.chunk_tokens() if self.engine.activation != "keep" else None
-        if chunk is not None:
-            limit = chunk if limit is None else min(limit, chunk)
+        cap = None
+        if self.budget is not None:
+            cap = self.budget.reserve_tokens
+        elif self.engine.activation == "recompute" and group and group[0].has_children:
+            cap = self.engine.chunk_size
+        if cap is not None:
+            limit = cap if limit is None else min(limit, cap)
         return limit
 
     def _keeps(self, batch: SiblingBatch, targets: list[ChunkTargets], inner: list[bool]) -> int | None:

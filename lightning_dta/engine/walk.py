@@ -112,8 +112,8 @@ class TreeWalk:
         """Nodes are cut into chunks of at most this many tokens (``chunk_size`` here)."""
         return self.engine.chunk_size
 
-    def batch_tokens(self) -> int | None:
-        """At most this many computed tokens per sibling batch (``sibling_batch_tokens`` here)."""
+    def batch_tokens(self, group: list[Chunk]) -> int | None:
+        """At most this many computed tokens per sibling batch of ``group`` (``sibling_batch_tokens`` here)."""
         return self.engine.sibling_batch_tokens
 
     def visit_children(self, node: TreeNode) -> None:
@@ -121,7 +121,7 @@ class TreeWalk:
         for group in self.groups(chunks):
             if self.engine.order == "leaves-first":
                 group = sorted(group, key=lambda chunk: chunk.length)  # similar lengths: little padding
-            for batch in batch_by_budget(group, self.batch_tokens(), self.info.packs_siblings):
+            for batch in batch_by_budget(group, self.batch_tokens(group), self.info.packs_siblings):
                 self.visit_batch(batch)
 
     def descend(self, chunk: Chunk) -> None:
