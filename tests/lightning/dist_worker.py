@@ -5,7 +5,10 @@ clipping, SGD), before any process group exists, then joins the N-rank Trainer r
 weights, so matching results also prove the broadcast at setup. Each rank saves its gradients (after the
 cross-rank sum and the clipping), its updated weights, the reference and the logged loss to ``OUT/rank{r}.pt``.
 
-Usage (from the repository root): python -m tests.lightning.dist_worker OUT DEVICES [EMPTY_RANK]
+With ``--critic`` the module also trains a critic (GAE advantages from its values, rewards on the rollouts) and
+each rank saves the critic's weights: test_distributed compares 2 ranks with 1.
+
+Usage (from the repository root): python -m tests.lightning.dist_worker OUT DEVICES [EMPTY_RANK] [--critic]
 (the "dta" launcher re-runs it once per extra rank)
 """
 
@@ -26,19 +29,35 @@ CLIP = 0.05  # below the gradient norm, so clipping is active and must act on th
 LOSS = dict(clip_eps=0.2, kl_coef=0.1, agg="token-mean")
 
 
+class _GAEData(StepBatchData):
+    advantage_estimator = "gae"
+
+
 def main() -> None:
-    out_dir, devices = sys.argv[1], int(sys.argv[2])
-    empty_rank = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    with_critic = "--critic" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--critic"]
+    out_dir, devices = args[0], int(args[1])
+    empty_rank = int(args[2]) if len(args) > 2 else None
     rollouts = grpo_rollouts()
+    for index, rollout in enumerate(rollouts):
+        rollout.reward = (index % 5) / 4  # for GAE; ignored otherwise
     model = tiny_llama()
     ref = reference_step(model, rollouts, LOSS, lr=LR, clip=CLIP)
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
         with torch.no_grad():  # a different start on rank 1: the strategy must broadcast rank 0's weights
             for p in model.parameters():
                 p.add_(1.0)
+    critic = {}
+    if with_critic:
+        critic = dict(critic=dta.value_model(tiny_llama(seed=1)), critic_optimizer=functools.partial(torch.optim.SGD,
+                      lr=LR), gae_gamma=0.9, gae_lambda=0.8)
+        with torch.no_grad():
+            critic["critic"].get_output_embeddings().weight.fill_(0.01)
+        initial = {n: p.detach().clone() for n, p in critic["critic"].named_parameters()}
     module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP,
-                           loss=dta.PolicyLoss(**LOSS))
-    data = StepBatchData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size, empty_rank)])
+                           loss=dta.PolicyLoss(**LOSS), **critic)
+    data = (_GAEData if with_critic else StepBatchData)(
+        lambda t: [rank_batch(rollouts, t.global_rank, t.world_size, empty_rank)])
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=devices, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, data)
@@ -48,7 +67,10 @@ def main() -> None:
                 "loss": float(trainer.callback_metrics["train/loss"]),
                 "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
                 "had_tree": rank_batch(rollouts, rank, devices, empty_rank).tree is not None,
-                "world_size": trainer.world_size, "reference": ref}, os.path.join(out_dir, f"rank{rank}.pt"))
+                "world_size": trainer.world_size, "reference": ref,
+                "critic": {n: p.detach().clone() for n, p in module.critic.named_parameters()} if with_critic else None,
+                "critic_initial": initial if with_critic else None},
+               os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 if __name__ == "__main__":

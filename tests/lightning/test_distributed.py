@@ -29,10 +29,12 @@ from tests.helpers.lightning import clean_env
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def run_worker(tmp_path: Path, devices: int, empty_rank: int | None = None) -> list[dict]:
+def run_worker(tmp_path: Path, devices: int, empty_rank: int | None = None, critic: bool = False) -> list[dict]:
     cmd = [sys.executable, "-m", "tests.lightning.dist_worker", str(tmp_path), str(devices)]
     if empty_rank is not None:
         cmd.append(str(empty_rank))
+    if critic:
+        cmd.append("--critic")
     proc = subprocess.run(cmd, cwd=helpers.REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(devices)]
@@ -56,6 +58,23 @@ def test_two_ranks_match_one_process(tmp_path: Path, empty_rank: int | None) -> 
     for name in ref["grads"]:  # the cross-rank sum leaves bit-identical gradients and weights everywhere
         assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
         assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+
+
+@pytest.mark.distributed
+def test_ppo_with_a_critic_on_two_ranks_matches_one(tmp_path: Path) -> None:
+    """GAE from each rank's own rollouts, the policy and the critic steps summed over ranks: 2 ranks end with the
+    1-rank weights of both models (the same float32 tolerance as above), and the critic really moved."""
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+    (one,) = run_worker(tmp_path / "one", 1, critic=True)
+    two = run_worker(tmp_path / "two", 2, critic=True)
+    moved = max(float((one["critic"][n] - w).abs().max()) for n, w in one["critic_initial"].items())
+    assert moved > 1e-4, moved
+    for rank in two:
+        for name, weight in one["weights"].items():
+            torch.testing.assert_close(rank["weights"][name], weight, rtol=RTOL, atol=ATOL, msg=name)
+        for name, weight in one["critic"].items():
+            torch.testing.assert_close(rank["critic"][name], weight, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def free_port() -> int:
