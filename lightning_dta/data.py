@@ -89,7 +89,7 @@ def _located(where: str) -> Iterator[None]:
         raise
 
 
-def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int) -> None:
+def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int, critic_estimates: bool = False) -> None:
     """Warn (once each, with the count) about a file that trains on less than it seems to."""
     rollouts = [rollout for step in steps for rollout in step]
     untrained = sum(1 for rollout in rollouts if not any(rollout.mask()))
@@ -100,7 +100,7 @@ def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int) -> None:
         warnings.warn(f"the last step of {path} has {len(steps[-1])} rollouts, not rollouts_per_step={size}: its "
                       "loss is normalised over fewer rollouts", UserWarning, stacklevel=3)
     flat = [step for step in steps if not any(_has_advantage(rollout) for rollout in step)]
-    if flat:
+    if flat and not critic_estimates:  # with "gae" the critic writes the advantages in the step
         warnings.warn(f"{len(flat)} of {len(steps)} steps of {path} have every advantage 0: their policy gradient is "
                       "0 (and so is the loss without KL or entropy terms). Fix: set advantage_estimator (e.g. grpo) "
                       "or write advantages into the file", UserWarning, stacklevel=3)
@@ -249,7 +249,7 @@ class RolloutDataModule(L.LightningDataModule):
                 raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
                                    self._location(index)) from None
         self._steps = steps
-        _warn_about_file(self.path, steps, size)
+        _warn_about_file(self.path, steps, size, critic_estimates=self.advantage_estimator == "gae")
 
     def _location(self, index: int) -> str:
         return f"{self.path}:{self._lines[index]}"

@@ -174,9 +174,13 @@ class PolicyLoss(StepAggregation):
         ``entropy`` is ``[1 or R, L]`` (or ``None`` when neither the loss nor the metrics need it).
         """
         mask = data.mask
+        trained = mask > 0
         logp_d = logp.detach()
-        old = torch.where(torch.isnan(data.old), logp_d, data.old)
-        prox = torch.where(torch.isnan(data.prox), old, data.prox)
+        # Untrained entries of the grid (positions another rollout of the chunk trains) take the current log-prob
+        # as old/prox/ref: their terms are then finite, so an extreme filler value there (a -1e4 behaviour
+        # log-prob on a prompt token) cannot turn the chunk's loss or gradient into inf * 0 = NaN.
+        old = torch.where(trained & ~torch.isnan(data.old), data.old, logp_d)
+        prox = torch.where(trained & ~torch.isnan(data.prox), data.prox, old)
         adv = data.advantages
         if self.loss_mode == "gspo":  # value exp(mean_t(logp - prox)) of the rollout, gradient s_i * grad logp
             ratio = torch.exp(data.seq_log_ratio) * torch.exp(logp - logp_d)
@@ -192,7 +196,7 @@ class PolicyLoss(StepAggregation):
             if self.dual_clip is not None:
                 surrogate = torch.where(adv < 0, torch.maximum(surrogate, self.dual_clip * adv), surrogate)
             loss = -importance * surrogate
-        has_ref = ~torch.isnan(data.ref)
+        has_ref = ~torch.isnan(data.ref) & trained
         ref_kl = None
         if self.kl_coef != 0.0 and data.any_ref:
             diff = torch.where(has_ref, data.ref, logp_d) - logp
@@ -200,7 +204,7 @@ class PolicyLoss(StepAggregation):
             loss = loss + self.kl_coef * ref_kl
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * entropy
-        weighted = (loss * (mask * data.weight)).sum()
+        weighted = (torch.where(trained, loss, 0.0) * (mask * data.weight)).sum()
 
         with torch.no_grad():  # sums stay tensors: no device sync per node
             sums["trained_tokens"] += mask.sum()
@@ -247,17 +251,19 @@ class ValueLoss(StepAggregation):
     def __call__(self, values: torch.Tensor, entropy: torch.Tensor | None, data: TokenData,
                  sums: dict) -> torch.Tensor:
         """Weighted loss of a ``[R, L]`` grid of values; adds metric sums into ``sums``."""
-        mask, returns = data.mask, data.returns
+        mask = data.mask
+        trained = mask > 0
+        returns = torch.where(trained, data.returns, values.detach())  # untrained entries: no term, no NaN
         error = (values - returns).square()
         loss = 0.5 * error
         clipped_error = None
         if self.clip_eps is not None and data.old_values is not None:
-            has_old = ~torch.isnan(data.old_values)
+            has_old = ~torch.isnan(data.old_values) & trained
             old = torch.where(has_old, data.old_values, values.detach())
             clipped = old + (values - old).clamp(-self.clip_eps, self.clip_eps)
             clipped_error = (clipped - returns).square()
             loss = 0.5 * torch.maximum(error, clipped_error)
-        weighted = (loss * (mask * data.weight)).sum()
+        weighted = (torch.where(trained, loss, 0.0) * (mask * data.weight)).sum()
         with torch.no_grad():
             sums["trained_tokens"] += mask.sum()
             sums["value_sum"] += (values.detach() * mask).sum()

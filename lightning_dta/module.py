@@ -209,6 +209,8 @@ class DTAModule(DFSStepMixin, LightningModule):
             checkpoint["hf_config"] = self.model.config.to_dict()
         if self._critic_optimizer is not None:  # not a Lightning optimizer (see _critic_step): saved here
             checkpoint["critic_optimizer"] = self._critic_optimizer.state_dict()
+        elif self._critic_optimizer_state is not None:  # resumed, and no critic step since: keep what was loaded
+            checkpoint["critic_optimizer"] = self._critic_optimizer_state
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -301,7 +303,7 @@ class DTAModule(DFSStepMixin, LightningModule):
                               "critic/skipped": float(critic.skipped)}, on_step=True, on_epoch=False, batch_size=1)
         lr = self.optimizers().optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler = self.lr_schedulers()
-        if scheduler is not None:
+        if scheduler is not None and not out.skipped:  # a skipped step is no optimizer step: the schedule waits
             scheduler.step()
         self.log_step(out, batch, lr)
         observe = getattr(getattr(self.trainer, "datamodule", None), "observe_step", None)

@@ -221,8 +221,9 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
         # so every rank reaches the same decision without another collective.
         opt.zero_grad(set_to_none=True)
         out.skipped = True
-        if tree is not None:
-            out.nonfinite_rollouts = nonfinite_rollouts(model, tree, loss_fn or PolicyLoss(), engine)
+        with unsharded(model, training=False):  # sharded weights: gathered on every rank, then no collective
+            if tree is not None:
+                out.nonfinite_rollouts = nonfinite_rollouts(model, tree, loss_fn or PolicyLoss(), engine)
         return out
     if gradient_clip_val:
         module.clip_gradients(opt, gradient_clip_val=gradient_clip_val,

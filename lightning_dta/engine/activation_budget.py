@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dta.engine.forward import forward_batch, score
+from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.losses import TokenData, empty_sums
@@ -51,12 +51,12 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
     chunk = Chunk.first(tree.root.children[0], None)
     batch = SiblingBatch.of(tree, [chunk], info.packs_siblings)
     targets = tree.tokens(chunk.node)[1:][None].to(info.device)
-    with torch.enable_grad():
+    with torch.enable_grad(), torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
         with SavedTensorMeter(model) as body:
             forward_batch(model, info, batch, None, [torch.arange(0)])
         with SavedTensorMeter(model) as whole:
             logits, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
-            score(logits[0], targets, dtype, with_entropy=True, entropy_grad=False)
+            loss_inputs(loss_fn, logits[0], targets, dtype)  # log-probs and entropies, or a critic's values
         rows, columns = 8, 16
         scores = torch.zeros(rows, columns, dtype=dtype, device=info.device, requires_grad=True)
         data = _probe_data(rows, columns, dtype, info.device)

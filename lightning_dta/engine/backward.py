@@ -40,9 +40,9 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
         raise ModelNotSupportedError("loss_mode='gspo' computes each rollout's ratio in a forward-only pass before "
                                      "the training walk, and active dropout would draw different masks in the two. "
                                      "Fix: set dropout to 0 or call model.eval().")
-    if engine.mode == "dfs" and engine.activation == "recompute" and info.has_active_dropout:
-        raise ModelNotSupportedError("activation='recompute' re-runs each chunk, and active dropout would draw a "
-                                     "different mask the second time. Fix: set dropout to 0 or call model.eval().")
+    if engine.mode == "dfs" and engine.activation in ("recompute", "auto") and info.has_active_dropout:
+        raise ModelNotSupportedError(f"activation={engine.activation!r} re-runs chunks, and active dropout would draw "
+                                     "a different mask the second time. Fix: set dropout to 0 or call model.eval().")
     if engine.mode == "mask" and info.attn_implementation not in (None, "sdpa", "eager"):
         raise ModelNotSupportedError(
             f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="

@@ -35,8 +35,8 @@ class EngineOptions:
     recomputes the rest (with chunk_size, recompute and auto forward one chunk's tokens at a time)."""
 
     activation_memory_budget: int | None = None
-    """dfs, activation="auto" only (required there): bytes that activations saved for backward may hold at
-    once (the kept path plus the batch being forwarded; the path's key/value buffers are not included)."""
+    """dfs, activation="auto" only (required there): bytes that tensors saved for backward may hold at once: the
+    path's key/value buffers (attention saves views of them), the kept path and the batch being forwarded."""
 
     chunk_size: int | None = None
     """dfs and forward-only walks: split nodes into chunks of at most this many tokens, popped back to front

@@ -65,6 +65,21 @@ def test_value_loss_is_exact_on_trees(family, loss_name, config_name, critics):
         assert 0 < out.metrics["value_clip_fraction"] < 1, out.metrics
 
 
+def test_value_loss_under_activation_auto(critics):
+    """The budget's probe scores a critic's one-wide head as values, not as log-probs; the step stays exact."""
+    critic, loss_fn = critics["llama"], LOSSES["clipped-token-mean"]
+    rollouts = critic_rollouts(critic, seed=4)
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    results = []
+    for options in (dict(), dict(activation="auto", activation_memory_budget=300_000)):
+        critic.zero_grad(set_to_none=True)
+        out = dta.tree_backward(critic, tree, loss_fn, **options)
+        results.append((out.loss, {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None}))
+    critic.zero_grad(set_to_none=True)
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-9)
+    assert_grads_close(results[1][1], results[0][1], RTOL64, what="auto vs keep")
+
+
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-keep-unbatched", "dfs-model-attention"])
 def test_tree_values_equal_each_rollouts_own_forward(config_name, critics):
     critic = critics["qwen2"]

@@ -43,6 +43,8 @@ def test_dropout_with_recompute_is_refused():
     model.train()
     with pytest.raises(dta.ModelNotSupportedError, match="dropout"):
         dta.tree_backward(model, tiny_tree(), activation="recompute")
+    with pytest.raises(dta.ModelNotSupportedError, match="activation='auto' re-runs chunks.*dropout"):
+        dta.tree_backward(model, tiny_tree(), activation="auto", activation_memory_budget=10**9)
     model.eval()
     dta.tree_backward(model, tiny_tree(), activation="recompute")
 

@@ -137,3 +137,22 @@ def test_sequence_weights_need_behaviour_logprobs_where_prox_is_given(models):
     loss_fn = dta.PolicyLoss(importance_weight_cap=2.0, importance_level="sequence")
     with pytest.raises(dta.RolloutError, match="rollout 2, field 'old_logprobs'"):
         dta.tree_backward(models["llama"], dta.PrefixTree.from_rollouts(rollouts), loss_fn)
+
+
+@pytest.mark.parametrize("config_name", ["dfs-keep", "mask"])
+def test_an_extreme_value_on_an_untrained_position_changes_nothing(config_name, models):
+    """Rollout B shares A's tokens but trains only its last one; its untrained positions carry a filler behaviour
+    log-prob of -1e4 (valid: finite, <= 0). In the tree's grid those entries sit beside A's trained ones; they must
+    not turn the step into NaN (inf x 0) nor change it: the same loss and gradient as with a harmless filler."""
+    model = models["llama"]
+    ids = [3, 5, 7, 9, 11, 13]
+    a = dta.Rollout(input_ids=ids, loss_mask=[0, 1, 1, 1, 1, 1], advantages=1.0, old_logprobs=[0.0] + [-2.0] * 5)
+
+    def b(filler: float) -> dta.Rollout:
+        return dta.Rollout(input_ids=ids, loss_mask=[0, 0, 0, 0, 0, 1], advantages=-1.0,
+                           old_logprobs=[0.0] + [filler] * 4 + [-2.0], ref_logprobs=[0.0] + [filler] * 4 + [-2.0])
+
+    loss_fn = dta.PolicyLoss(kl_coef=0.1, importance_weight_cap=2.0)
+    harmless = check(model, [a, b(-2.0)], loss_fn, CONFIGS[config_name])
+    extreme = check(model, [a, b(-1e4)], loss_fn, CONFIGS[config_name])
+    assert extreme.loss == pytest.approx(harmless.loss, rel=1e-12) and extreme.metrics["nonfinite_tokens"] == 0

@@ -186,3 +186,17 @@ def test_a_critic_and_gae_come_together(tmp_path: Path) -> None:
         trainer(tmp_path, 1).fit(module, data)
     with pytest.raises(ValueError, match=r"needs a critic.*DTAModule\(critic=...\)"):
         trainer(tmp_path, 1).fit(dta.DTAModule(tiny_llama()), _GAEData(data.make))
+
+
+def test_a_skipped_step_does_not_step_the_schedule(tmp_path: Path) -> None:
+    """A non-finite step is no optimizer step: the learning-rate schedule waits for the next real one."""
+    good = grpo_rollouts()
+    bad = copy.deepcopy(good)
+    bad[0].advantages, bad[0].old_logprobs = -1.0, [-1e4] * len(bad[0])  # ratio exp(logp + 1e4): PPO term +inf
+    module = dta.DTAModule(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                           lr_scheduler=functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1.0))
+    data = StepBatchData(lambda t: [rank_batch(r, t.global_rank, t.world_size) for r in (good, bad, good)])
+    fit = trainer(tmp_path, 2)
+    with pytest.warns(RuntimeWarning, match="batch 1 skipped on every rank"):
+        fit.fit(module, data)
+    assert fit.global_step == 2 and module.lr_schedulers().last_epoch == 2
