@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
 import warnings
 from collections.abc import Mapping
 from os import PathLike
@@ -275,7 +274,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         bucket_mb = getattr(self.trainer.strategy, "bucket_mb", DEFAULT_BUCKET_MB)
         out = tree_step_backward(self.critic, tree, self.value_loss, engine=self.engine, bucket_mb=bucket_mb)
         out.grad_norm = gradient_norm(self.critic.parameters())
-        if not (math.isfinite(out.loss) and math.isfinite(out.grad_norm)):
+        if not out.finite:
             self._critic_optimizer.zero_grad(set_to_none=True)
             out.skipped = True
             return out

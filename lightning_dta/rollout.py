@@ -29,6 +29,10 @@ class RolloutError(ValueError):
         self.index, self.field, self.problem, self.fix, self.location = index, field, problem, fix, location
         super().__init__(self.describe())
 
+    def located(self, location: str | None) -> RolloutError:
+        """The same fault, reported at ``location`` (``PATH:LINE``)."""
+        return RolloutError(self.index, self.field, self.problem, self.fix, location)
+
     def describe(self) -> str:
         where = f"rollout {self.index}" if self.index is not None else "rollout"
         at = f"{self.location}: " if self.location else ""
@@ -210,7 +214,7 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
             validate_rollout(rollout, index, vocab_size, max_positions)
         except RolloutError as fault:
             location = locations[index] if locations is not None else None
-            faults.append(RolloutError(fault.index, fault.field, fault.problem, fault.fix, location))
+            faults.append(fault.located(location))
     raise_faults(faults, source)
 
 
@@ -236,7 +240,7 @@ def read_rollout_lines(path: str | Path, vocab_size: int | None = None,
                 rollout = Rollout.from_dict(record, index)
                 validate_rollout(rollout, index, vocab_size, max_positions)
             except RolloutError as fault:
-                faults.append(RolloutError(fault.index, fault.field, fault.problem, fault.fix, location))
+                faults.append(fault.located(location))
                 continue
             rollouts.append(rollout)
             lines.append(line_number)

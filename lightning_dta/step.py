@@ -72,6 +72,11 @@ class StepOutput:
     skipped: bool = False  # the loss or the gradient norm was not finite: no optimizer step (every rank alike)
     nonfinite_rollouts: list[int] = field(default_factory=list)  # this rank's tree: rollouts with non-finite terms
 
+    @property
+    def finite(self) -> bool:
+        """Whether the step's loss and gradient norm are finite (both step-wide: every rank sees the same)."""
+        return math.isfinite(self.loss) and (self.grad_norm is None or math.isfinite(self.grad_norm))
+
 
 def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
     """This rank's tree from a :class:`StepBatch`, a bare :class:`PrefixTree`, or ``None`` (nothing this step)."""
@@ -216,7 +221,7 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
     tree = batch_tree(batch)
     out = tree_step_backward(model, tree, loss_fn, engine=engine, bucket_mb=bucket_mb)
     out.grad_norm = gradient_norm(model.parameters())
-    if skip_nonfinite and not (math.isfinite(out.loss) and math.isfinite(out.grad_norm)):
+    if skip_nonfinite and not out.finite:
         # Both figures are step-wide (the loss sums every rank's share, the norm is that of the summed gradient),
         # so every rank reaches the same decision without another collective.
         opt.zero_grad(set_to_none=True)

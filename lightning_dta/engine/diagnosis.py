@@ -38,11 +38,7 @@ def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss,
         if not bool(torch.isfinite(values).all()):
             bad.append(index)
             continue
-        data = targets.data
-        for name in ("mask", "advantages", "old", "prox", "ref", "weight", "seq_log_weight", "seq_log_ratio"):
-            value = getattr(data, name)
-            if value is not None:
-                setattr(data, name, value.cpu())
+        data = targets.data  # on the CPU: StepData's default device
         term = loss_fn(values.to(data.mask.dtype), None, data, empty_sums())
         if not math.isfinite(float(term)):
             bad.append(index)

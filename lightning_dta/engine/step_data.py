@@ -65,6 +65,7 @@ class StepData:
         self.tokens = torch.cat(tree.token_tensors)
         masks = tree.loss_masks
         self.mask = torch.cat(masks)
+        self.owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)  # each token's rollout
         self.token_counts = torch.stack([m.sum() for m in masks])
         # Stored in the loss's dtype (float32 unless the model is float64): a large step holds millions of these.
         self.advantages = torch.cat([self._per_token(r.advantages, len(r)) for r in tree.rollouts])
@@ -94,18 +95,16 @@ class StepData:
 
     def _per_rollout_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over each rollout's trained tokens of a flat per-token tensor (0 for a rollout with none)."""
-        owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
         trained = self.mask > 0
         totals = torch.zeros(len(self.lengths), dtype=torch.float64).index_add_(
-            0, owner[trained], values[trained].to(torch.float64))
+            0, self.owner[trained], values[trained].to(torch.float64))
         return (totals / self.token_counts.clamp(min=1).to(torch.float64)).to(self.dtype)
 
     def _sequence_log_weights(self) -> torch.Tensor:
         """``mean over trained tokens of (prox - old)`` per rollout; a token without prox has prox = old."""
         missing_old = torch.isnan(self.old) & ~torch.isnan(self.prox) & (self.mask > 0)
         if bool(missing_old.any()):
-            owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)
-            index = int(owner[torch.nonzero(missing_old)[0]])
+            index = int(self.owner[torch.nonzero(missing_old)[0]])
             raise RolloutError(index, "old_logprobs", "is missing where prox_logprobs is given, so the sequence-level "
                                "importance weight exp(mean(prox - old)) is undefined", "give the behaviour "
                                "log-probs, or use importance_level='token'")
