@@ -49,10 +49,12 @@ class DTACLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
 
-USAGE = """usage: lightning-dta {fit,bench,export} ...
+USAGE = """usage: lightning-dta {fit,plan,bench,export} ...
 
   fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
            --trainer.*); lightning-dta fit --help
+  plan     predict a step's memory and FLOPs per mode, and the engine options that fit --memory;
+           lightning-dta plan --help
   bench    every training mode side by side on the same model and rollouts; lightning-dta bench --help
   export   a training checkpoint as a Hugging Face model directory; lightning-dta export --help
 """
@@ -103,6 +105,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(export_main(args[1:]))
         except ExportError as error:
             sys.exit(f"lightning-dta export: {error}")
+    if args and args[0] == "plan":
+        from lightning_dta.plan.cli import main as plan_main
+
+        sys.exit(plan_main(args[1:]))
     if args and args[0] == "bench":
         bench = _bench_main()
         if bench is None:

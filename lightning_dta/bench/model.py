@@ -13,23 +13,33 @@ PRESETS = {
     "qwen3-0.6b": dict(arch="qwen3", layers=28, hidden=1024, heads=16, kv_heads=8, intermediate=3072, vocab=151936,
                        head_dim=128),
     "qwen3-1.7b": dict(arch="qwen3", layers=28, hidden=2048, heads=16, kv_heads=8, intermediate=6144, vocab=151936,
-                       head_dim=128),
+                       head_dim=128, tie=True),
+    "qwen3-8b": dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, intermediate=12288, vocab=151936,
+                     head_dim=128),
 }
 
 
-def build_model(layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int | None = None,
-                intermediate: int | None = None, vocab: int = 2048, max_positions: int = 32768,
-                dtype: torch.dtype = torch.float32, device: str = "cpu", attn_implementation: str = "sdpa",
-                seed: int = 0, arch: str = "llama", head_dim: int | None = None) -> torch.nn.Module:
-    config_cls, model_cls = ARCHITECTURES[arch]
-    torch.manual_seed(seed)
+def model_config(layers: int = 4, hidden: int = 256, heads: int = 4, kv_heads: int | None = None,
+                 intermediate: int | None = None, vocab: int = 2048, max_positions: int = 32768,
+                 attn_implementation: str = "sdpa", arch: str = "llama", head_dim: int | None = None,
+                 tie: bool = False):
+    """The config of a bench model (the defaults: the default bench model; a ``PRESETS`` entry: a real shape)."""
+    config_cls, _ = ARCHITECTURES[arch]
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or int(hidden * 8 / 3),
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
-                  max_position_embeddings=max_positions, tie_word_embeddings=False)
+                  max_position_embeddings=max_positions, tie_word_embeddings=tie)
     if head_dim is not None:
         kwargs["head_dim"] = head_dim
     config = config_cls(**kwargs)
     config._attn_implementation = attn_implementation
+    return config
+
+
+def build_model(dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0, **shape) -> torch.nn.Module:
+    """A bench model with random weights: :func:`model_config` of ``shape``, in ``dtype`` on ``device``."""
+    config = model_config(**shape)
+    _, model_cls = ARCHITECTURES[shape.get("arch", "llama")]
+    torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config)
     model = model.to(dtype=dtype)

@@ -132,3 +132,18 @@ class LongSequenceWorkload:
         return [Rollout(input_ids=_tokens(rng, vocab, self.length), advantages=rng.gauss(0.0, 1.0))
                 for _ in range(self.num_rollouts)]
 
+
+
+# Named steps with their default sizes (``lightning-dta plan --workload``). The tau2 shapes follow AReaL-DTA's
+# tau^2-bench setting: a 4.8K-token system prompt, 8 LLM calls per episode, thinking dropped from later history;
+# 32 episodes a step (4 per rank on 8 ranks, where each rank's tree compresses ~9.4x), 16K-token context for
+# "tau2-long" (the last call of an episode sees ~16K tokens).
+WORKLOADS = {
+    "grpo": GRPOWorkload(),
+    "agent": AgentWorkload(),
+    "tree-search": TreeSearchWorkload(),
+    "tau2-like": AgentWorkload(num_episodes=32, turns=8, system_len=4800, task_len=(50, 150),
+                               observation_len=(100, 300), thinking_len=(100, 300), answer_len=(30, 90)),
+    "tau2-long": AgentWorkload(num_episodes=32, turns=8, system_len=4800, task_len=(50, 150),
+                               observation_len=(800, 1600), thinking_len=(300, 900), answer_len=(100, 300)),
+}

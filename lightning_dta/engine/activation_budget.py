@@ -116,6 +116,15 @@ class ActivationBudget:
         self.reserve_tokens = max(1, min(self.longest_chunk, fitting))
         self.reserve = self.predict(self.reserve_tokens, self.reserve_tokens, self.reserve_tokens)
 
+    @classmethod
+    def for_tree(cls, tree: PrefixTree, engine, rates: tuple[float, float, float], path_bytes: int
+                 ) -> ActivationBudget:
+        """The budget ``engine.activation_memory_budget`` for ``tree``, with the three ``rates`` of
+        :func:`measure_rates` and the path's key/value buffers (``path_bytes``)."""
+        chunk = engine.chunk_size
+        longest = max(n.length if chunk is None else min(n.length, chunk) for n in tree.iter_nodes())
+        return cls(engine.activation_memory_budget, *rates, path_bytes, longest)
+
     def predict(self, tokens: int, positions: int, grid_entries: int) -> int:
         return int(MARGIN * (self.body_per_token * tokens + self.head_per_position * positions
                              + self.per_grid_entry * grid_entries))

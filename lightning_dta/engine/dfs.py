@@ -16,6 +16,8 @@ tree level.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -30,29 +32,33 @@ from lightning_dta.losses import PolicyLoss
 from lightning_dta.tree import PrefixTree
 
 
-class DFSWalk(TreeWalk):
-    """One training step over a tree: adds the gradient of its loss to ``.grad``; :meth:`run` returns the loss."""
+@dataclass
+class BatchPlan:
+    """What the schedule decided for one sibling batch: its chunks (leaves with nothing to train dropped), their
+    targets, which have something below them, the layout, and whether its graph is kept until its pop
+    (``granted``: the bytes the budget granted, 0 without a budget; ``None``: recompute at the pop)."""
 
-    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
-                 engine: EngineOptions, sums: dict) -> None:
-        super().__init__(tree, info, engine)
-        self.model = model
+    chunks: list[Chunk]
+    targets: list[ChunkTargets]
+    inner: list[bool]
+    batch: SiblingBatch
+    granted: int | None
+
+    @property
+    def keep(self) -> bool:
+        return self.granted is not None
+
+
+class DFSSchedule(TreeWalk):
+    """The training walk's decisions, without a model: how chunks are cut and batched and which batches keep their
+    graph. :class:`DFSWalk` runs them; ``lightning-dta plan`` (:mod:`lightning_dta.plan`) walks them dry to predict
+    memory, so the prediction follows the very schedule that runs."""
+
+    def __init__(self, tree: PrefixTree, engine: EngineOptions, packed: bool, step: StepData,
+                 budget: ActivationBudget | None) -> None:
+        super().__init__(tree, engine, packed)
         self.step = step
-        self.loss_fn = loss_fn
-        self.sums = sums
-        self.total_loss = torch.zeros((), dtype=step.dtype, device=info.device)
-        self.budget: ActivationBudget | None = None
-        if engine.activation == "auto":
-            rates = measure_rates(model, info, step.dtype, loss_fn)
-            longest = max(n.length if engine.chunk_size is None else min(n.length, engine.chunk_size)
-                          for n in tree.iter_nodes())
-            self.budget = ActivationBudget(engine.activation_memory_budget, *rates,
-                                           path_kv_bytes(model.config, tree.stats.max_depth_tokens, info.dtype),
-                                           longest)
-
-    def run(self) -> torch.Tensor:
-        super().run()
-        return self.total_loss
+        self.budget = budget
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Under recompute (and auto), leaves need grad at once and inner chunks perhaps only at their pop: never
@@ -81,9 +87,19 @@ class DFSWalk(TreeWalk):
             limit = cap if limit is None else min(limit, cap)
         return limit
 
+    def plan_batch(self, chunks: list[Chunk]) -> BatchPlan | None:
+        """The plan of a sibling batch (``None``: leaves with no trained token, which send no gradient)."""
+        targets = [self.step.targets(c.node.rollouts, c.start, c.length) for c in chunks]
+        if not any(c.has_children for c in chunks):
+            kept = [(c, t) for c, t in zip(chunks, targets) if not t.empty]
+            if not kept:
+                return None
+            chunks, targets = [k[0] for k in kept], [k[1] for k in kept]
+        inner = [c.has_children for c in chunks]
+        batch = SiblingBatch.of(self.tree, chunks, self.packed)
+        return BatchPlan(chunks, targets, inner, batch, self._keeps(batch, targets, inner))
+
     def _keeps(self, batch: SiblingBatch, targets: list[ChunkTargets], inner: list[bool]) -> int | None:
-        """Whether this batch keeps its graph until its pop: the bytes it was granted (0 without a budget), or
-        ``None`` to recompute it at the pop."""
         if self.engine.activation == "keep" or not any(inner):
             return 0
         if self.budget is None:
@@ -92,6 +108,38 @@ class DFSWalk(TreeWalk):
         predicted = self.budget.predict(tokens, sum(t.columns.numel() for t in targets),
                                         sum(t.token_ids.numel() for t in targets))
         return predicted if self.budget.try_keep(predicted) else None
+
+    def release(self, plan: BatchPlan) -> None:
+        """The batch was popped: what it was granted is free again."""
+        if plan.granted:
+            self.budget.release(plan.granted)
+
+
+def activation_budget(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
+                      dtype: torch.dtype, loss_fn: PolicyLoss) -> ActivationBudget | None:
+    """The budget of ``activation="auto"`` (``None`` otherwise), with the rates probed on ``model``."""
+    if engine.activation != "auto":
+        return None
+    return ActivationBudget.for_tree(tree, engine, measure_rates(model, info, dtype, loss_fn),
+                                     path_kv_bytes(model.config, tree.stats.max_depth_tokens, info.dtype))
+
+
+class DFSWalk(DFSSchedule):
+    """One training step over a tree: adds the gradient of its loss to ``.grad``; :meth:`run` returns the loss."""
+
+    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+                 engine: EngineOptions, sums: dict) -> None:
+        super().__init__(tree, engine, info.packs_siblings, step,
+                         activation_budget(model, info, tree, engine, step.dtype, loss_fn))
+        self.model = model
+        self.info = info
+        self.loss_fn = loss_fn
+        self.sums = sums
+        self.total_loss = torch.zeros((), dtype=step.dtype, device=info.device)
+
+    def run(self) -> torch.Tensor:
+        super().run()
+        return self.total_loss
 
     def _loss(self, logits: torch.Tensor, targets: ChunkTargets) -> torch.Tensor:
         scores, entropy = loss_inputs(self.loss_fn, logits, targets.token_ids, self.step.dtype)
@@ -113,19 +161,13 @@ class DFSWalk(TreeWalk):
 
     def visit_batch(self, chunks: list[Chunk]) -> None:
         """Push sibling chunks together, walk each one's subtree, then pop them with one backward."""
-        targets = [self.step.targets(c.node.rollouts, c.start, c.length) for c in chunks]
-        if not any(c.has_children for c in chunks):  # leaves with no trained token send no gradient: skip them
-            kept = [(c, t) for c, t in zip(chunks, targets) if not t.empty]
-            if not kept:
-                return
-            chunks, targets = [k[0] for k in kept], [k[1] for k in kept]
-        inner = [c.has_children for c in chunks]
-        batch = SiblingBatch.of(self.tree, chunks, self.info.packs_siblings)
-        granted = self._keeps(batch, targets, inner)
-        keep = granted is not None
-        loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=keep)
+        plan = self.plan_batch(chunks)
+        if plan is None:
+            return
+        chunks, targets, batch = plan.chunks, plan.targets, plan.batch
+        loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=plan.keep)
         kv_grads = None
-        if any(inner):
+        if any(plan.inner):
             kv_grads = [torch.zeros_like(t) for pair in new_kv for t in pair]
             for row, chunk in enumerate(chunks):
                 if not chunk.has_children:
@@ -134,7 +176,7 @@ class DFSWalk(TreeWalk):
                 self.descend(chunk)
                 for grad, path_grad in zip(kv_grads, self.kv.grads(chunk.start, chunk.end)):
                     batch.row(grad, row).copy_(path_grad)
-            if not keep:  # pop: re-forward the batch with grad, behind the subtrees
+            if not plan.keep:  # pop: re-forward the batch with grad, behind the subtrees
                 loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=True)
         outputs, grads = [], []
         if kv_grads is not None:
@@ -148,5 +190,4 @@ class DFSWalk(TreeWalk):
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         self.kv.collect(batch.start, leaves_kv)
-        if granted:
-            self.budget.release(granted)
+        self.release(plan)

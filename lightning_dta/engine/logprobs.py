@@ -32,8 +32,9 @@ class LogprobWalk(TreeWalk):
 
     def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
                  values: bool = False) -> None:
-        super().__init__(tree, info, engine)
+        super().__init__(tree, engine, info.packs_siblings)
         self.model = model
+        self.info = info
         self.values = values
         self.step = StepData(tree)
         lengths = self.step.lengths

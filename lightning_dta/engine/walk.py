@@ -18,14 +18,10 @@ walker implements: it forwards the batch, writes each chunk's keys/values into t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from lightning_dta.engine.kv import PathKV
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.tree import PrefixTree, TreeNode
-
-if TYPE_CHECKING:
-    from lightning_dta.engine.model_info import ModelInfo
 
 MAX_PADDING = 0.15  # a padded batch stops growing once padding would exceed this fraction of its computed tokens
 
@@ -95,10 +91,10 @@ class TreeWalk:
 
     with_grads = True  # whether the path buffers collect gradients
 
-    def __init__(self, tree: PrefixTree, info: ModelInfo, engine: EngineOptions) -> None:
+    def __init__(self, tree: PrefixTree, engine: EngineOptions, packed: bool) -> None:
         self.tree = tree
-        self.info = info
         self.engine = engine
+        self.packed = packed  # sibling batches are packed rows (prefix attention), else padded rows
         self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=self.with_grads)
 
     def run(self) -> None:
@@ -121,7 +117,7 @@ class TreeWalk:
         for group in self.groups(chunks):
             if self.engine.order == "leaves-first":
                 group = sorted(group, key=lambda chunk: chunk.length)  # similar lengths: little padding
-            for batch in batch_by_budget(group, self.batch_tokens(group), self.info.packs_siblings):
+            for batch in batch_by_budget(group, self.batch_tokens(group), self.packed):
                 self.visit_batch(batch)
 
     def descend(self, chunk: Chunk) -> None:

@@ -1,0 +1,225 @@
+"""``lightning-dta plan``: predict a step's memory and FLOPs before running it, and the engine options that fit.
+
+    lightning-dta plan --model qwen3-8b --workload tau2-like --devices 8 --strategy dta_fsdp --memory 80GB
+
+The model is a shape (a preset, or a local ``config.json`` / model directory: no weights are read); the step is a
+rollout file or a bench workload. Activation rates are probed on the CPU on one- and two-layer clones of the
+shape (seconds for an 8B shape), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_dta.balance import partition
+from lightning_dta.bench.model import PRESETS, model_config
+from lightning_dta.bench.workloads import WORKLOADS
+from lightning_dta.engine.options import EngineOptions
+from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step, standard_modes
+from lightning_dta.plan.rates import probe_rates
+from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_counts
+from lightning_dta.rollout import RolloutError, read_rollouts
+from lightning_dta.tree import PrefixTree
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+         "gib": 2**30, "tib": 2**40}
+
+
+class PlanError(ValueError):
+    """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MiB"``, ``"1.5e9"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise PlanError(f"--memory {text!r}: write a size such as 80GB, 80GiB or 512MiB")
+    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+
+
+def gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def load_config(model: str):
+    """A preset name, ``bench`` (the bench's default model), a ``config.json`` or a directory holding one."""
+    if model == "bench":
+        return model_config()
+    if model in PRESETS:
+        return model_config(**PRESETS[model], max_positions=40960)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise PlanError(f"--model {model!r} is neither a preset ({', '.join(['bench', *sorted(PRESETS)])}) nor a "
+                        "config.json or a model directory with one")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(path.parent))
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-dta plan", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="bench",
+                        help=f"a preset ({', '.join(['bench', *sorted(PRESETS)])}), a config.json or a model "
+                        "directory (default: bench, the bench's 4-layer model)")
+    step = parser.add_mutually_exclusive_group()
+    step.add_argument("--workload", default="agent", choices=sorted(WORKLOADS),
+                      help="a bench workload as the step (default: agent)")
+    step.add_argument("--rollouts", default=None, help="a rollout JSONL file as the step")
+    parser.add_argument("--precision", default="bf16-true", choices=sorted(PRECISIONS),
+                        help="Lightning precision: weights, gradients and optimizer state, and activations")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
+    parser.add_argument("--strategy", default="dta", choices=("dta", "dta_fsdp"),
+                        help="dta: weights replicated; dta_fsdp: sharded over --devices (FSDP2)")
+    parser.add_argument("--devices", default=1, type=int, help="data-parallel ranks the step is split over")
+    parser.add_argument("--memory", default=None, help="accelerator memory per rank (80GB, 80GiB, ...): list the "
+                        f"engine options that fit in it, less {HEADROOM:.0%} headroom")
+    parser.add_argument("--recompute-chunk", default=2048, type=int, help="chunk_size of the dfs-recompute row")
+    parser.add_argument("--sibling-batch-tokens", default=EngineOptions().sibling_batch_tokens, type=int,
+                        help="dfs sibling batch budget (0: off)")
+    parser.add_argument("--seed", default=0, type=int, help="seed of the bench workload")
+    parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    return parser
+
+
+def _rank_trees(args: argparse.Namespace, config) -> tuple[list[PrefixTree], str]:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if args.rollouts:
+        rollouts, what = read_rollouts(args.rollouts), args.rollouts
+    else:
+        rollouts, what = WORKLOADS[args.workload].generate(text.vocab_size, args.seed), f"workload {args.workload}"
+    if args.devices < 1:
+        raise PlanError(f"--devices {args.devices}: use 1 or more")
+    shares = partition(rollouts, args.devices) if args.devices > 1 else [list(range(len(rollouts)))]
+    trees = [PrefixTree.from_rollouts([rollouts[i] for i in share], vocab_size=text.vocab_size,
+                                      max_positions=getattr(text, "max_position_embeddings", None))
+             for share in shares if share]
+    return trees, what
+
+
+def _worst(plans: list[StepPlan]) -> dict[str, dict]:
+    """Per mode, the largest memory and FLOPs over the ranks (a step waits for its slowest rank)."""
+    out = {}
+    for name in plans[0].modes:
+        preds = [p.modes[name] for p in plans]
+        worst = max(preds, key=lambda m: m.activations)
+        out[name] = {"saved_bytes": worst.saved, "path_buffer_bytes": worst.path_buffers,
+                     "recomputed_layer_bytes": worst.recomputed_layer, "head_working_set_bytes": worst.head_working_set,
+                     "activation_bytes": worst.activations, "peak_bytes": plans[0].state.total + worst.activations,
+                     "tflops": max(m.flops for m in preds) / 1e12}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (PlanError, RolloutError) as error:
+        print(f"lightning-dta plan: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    memory = parse_bytes(args.memory) if args.memory else None
+    config = load_config(args.model)
+    trees, what = _rank_trees(args, config)
+    parameters, largest = parameter_counts(config)
+    state = TrainingState(parameters, largest, args.precision, args.optimizer, args.strategy, args.devices)
+    rates = probe_rates(config, PRECISIONS[args.precision][1])
+    engine = EngineOptions(sibling_batch_tokens=args.sibling_batch_tokens or None)
+    modes = standard_modes(engine, args.recompute_chunk)
+    plans = [plan_step(tree, config, rates, state, modes) for tree in trees]
+    worst = _worst(plans)
+    logical = sum(t.stats.logical_tokens for t in trees)
+    tree_tokens = sum(t.stats.tree_tokens for t in trees)
+    fits = [fitting_options(tree, config, rates, state, memory, engine) for tree in trees] if memory else None
+    if args.json:
+        record = {"model": args.model, "step": what, "ranks": len(trees), "parameters": parameters,
+                  "state_bytes": {"weights": state.weights, "gradients": state.gradients,
+                                  "optimizer": state.optimizer_state, "gathered": state.gathered,
+                                  "autocast_copies": state.autocast_copies},
+                  "logical_tokens": logical, "tree_tokens": tree_tokens, "modes": worst,
+                  "forward_only": {"bytes": max(p.forward_only.activations for p in plans),
+                                   "tflops": max(p.forward_only.flops for p in plans) / 1e12,
+                                   "vanilla_tflops": max(p.vanilla_forward_flops for p in plans) / 1e12}}
+        if fits is not None:
+            record["fits"] = _common_fits(fits)
+        print(json.dumps(record, indent=2))
+        return 0
+    shape = plans[0].shape
+    print(f"model: {args.model} ({shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
+          f"{parameters / 1e6:,.1f}M parameters), {args.precision}, {args.strategy} on {args.devices} rank(s)")
+    print(f"step: {what}: {sum(t.stats.num_rollouts for t in trees)} rollouts, {logical:,} logical tokens, "
+          f"{tree_tokens:,} tree tokens (compression {logical / tree_tokens:.2f}), longest "
+          f"{max(t.stats.max_depth_tokens for t in trees):,}")
+    print(f"state per rank: weights {gib(state.weights)}, gradients {gib(state.gradients)}, optimizer "
+          f"{gib(state.optimizer_state)}" + (f", gathered layers {gib(state.gathered)}" if state.gathered else "")
+          + (f", autocast copies {gib(state.autocast_copies)}" if state.autocast_copies else "")
+          + f" = {gib(state.total)}")
+    print("\nper rank, the largest over ranks (activations: saved for backward + dfs path buffers + "
+          "checkpointing's recomputed layer + the head's working set)")
+    print(f"{'mode':<16}{'saved':>12}{'path buf':>12}{'head+recomp':>12}{'activations':>14}{'peak':>12}"
+          f"{'TFLOPs':>10}{'x vanilla':>11}")
+    base = worst["vanilla"]["tflops"]
+    for name, row in worst.items():
+        mark = ""
+        if memory:
+            mark = "  fits" if row["peak_bytes"] <= memory * (1 - HEADROOM) else "  over"
+        print(f"{name:<16}{gib(row['saved_bytes']):>12}{gib(row['path_buffer_bytes']):>12}"
+              f"{gib(row['head_working_set_bytes'] + row['recomputed_layer_bytes']):>12}"
+              f"{gib(row['activation_bytes']):>14}{gib(row['peak_bytes']):>12}{row['tflops']:>10.1f}"
+              f"{row['tflops'] / base:>11.2f}{mark}")
+    forward = max(p.forward_only.flops for p in plans) / 1e12
+    vanilla_forward = max(p.vanilla_forward_flops for p in plans) / 1e12
+    print(f"forward-only tree_logprobs: {gib(max(p.forward_only.activations for p in plans))} beside the state, "
+          f"{forward:.3g} TFLOPs ({vanilla_forward / forward:.2f}x fewer than per-rollout forwards)")
+    if fits is not None:
+        _print_fits(_common_fits(fits), memory)
+    return 0
+
+
+def _common_fits(fits: list[list]) -> list[dict]:
+    """The options that fit on every rank, cheapest first (FLOPs of the slowest rank)."""
+    names = [f.prediction.name for f in fits[0]]
+    out = []
+    for name in names:
+        on_ranks = [next((f for f in rank if f.prediction.name == name), None) for rank in fits]
+        if any(f is None for f in on_ranks):
+            continue
+        engine = max(on_ranks, key=lambda f: f.peak).prediction.engine
+        if engine.activation == "auto":  # one budget for every rank: the smallest
+            budget = min(f.prediction.engine.activation_memory_budget for f in on_ranks)
+            engine = EngineOptions.resolve(engine, activation_memory_budget=budget)
+        out.append({"name": name, "engine": {k: v for k, v in engine.to_dict().items()
+                                             if v != getattr(EngineOptions(), k)},
+                    "peak_bytes": max(f.peak for f in on_ranks),
+                    "tflops": max(f.prediction.flops for f in on_ranks) / 1e12})
+    return sorted(out, key=lambda f: f["tflops"])
+
+
+def _print_fits(fits: list[dict], memory: int) -> None:
+    print(f"\nengine options that fit {gib(memory)} per rank (less {HEADROOM:.0%} headroom), cheapest first:")
+    if not fits:
+        print("  none: not even dfs recompute with 256-token chunks. Shard the state (--strategy dta_fsdp), use "
+              "more ranks, or shorter rollouts.")
+        return
+    for fit in fits:
+        options = ", ".join(f"{k}={v}" for k, v in fit["engine"].items()) or "defaults"
+        print(f"  {fit['name']:<28} peak {gib(fit['peak_bytes']):>11}  {fit['tflops']:8.3g} TFLOPs  ({options})")
+    best = fits[0]["engine"]
+    print("\nin a config (model.engine):\n  model:\n    engine:")
+    for key, value in (best or {"activation": "keep"}).items():
+        print(f"      {key}: {value}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""FLOPs of a forward, from the model's shape: linear layers per token, attention per (query, key) pair, the LM head
+per scored position. A backward costs two forwards; recompute and activation checkpointing add one body forward
+of what they re-run. Multiply-accumulates count as two FLOPs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that FLOPs and the key/value buffers depend on (grouped-query attention included)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+                   intermediate=text.intermediate_size, vocab=text.vocab_size)
+
+    @property
+    def linear_macs_per_token(self) -> int:
+        """q, k, v and o projections and the gated MLP (gate, up, down) of every layer."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attention + 3 * self.hidden * self.intermediate)
+
+    @property
+    def attention_macs_per_pair(self) -> int:
+        """q.k and p.v of every head of every layer for one (query, key) pair."""
+        return self.layers * 2 * self.heads * self.head_dim
+
+    @property
+    def head_macs_per_position(self) -> int:
+        return self.hidden * self.vocab
+
+    def forward_flops(self, tokens: float, pairs: float, positions: float) -> float:
+        """One forward of ``tokens`` computed tokens, ``pairs`` attended (query, key) pairs and ``positions``
+        positions projected to the vocabulary."""
+        return 2.0 * (tokens * self.linear_macs_per_token + pairs * self.attention_macs_per_pair
+                      + positions * self.head_macs_per_position)
+
+
+def causal_pairs(start: int, length: int) -> int:
+    """(query, key) pairs of ``length`` new tokens after a prefix of ``start``: each attends to the prefix and to
+    itself and the new tokens before it."""
+    return length * start + length * (length + 1) // 2
+
+
+@dataclass
+class WorkCount:
+    """What a step computes, accumulated forward by forward."""
+
+    tokens: int = 0
+    pairs: int = 0
+    positions: int = 0
+    recomputed_tokens: int = 0  # body forwards run a second time (recompute, checkpointing)
+    recomputed_pairs: int = 0
+
+    def training_flops(self, shape: ModelShape) -> float:
+        """Forward and backward (two forwards) of everything, plus the re-run body forwards."""
+        return (3 * shape.forward_flops(self.tokens, self.pairs, self.positions)
+                + shape.forward_flops(self.recomputed_tokens, self.recomputed_pairs, 0))

@@ -1,0 +1,282 @@
+"""The prediction of one step: every mode's activation memory and FLOPs, and which engine options fit a memory.
+
+Per mode, the peak of bytes saved for backward comes from a dry run of the mode's schedule (:class:`PlannedWalk`
+for dfs: the engine's own :class:`~lightning_dta.engine.dfs.DFSSchedule`), each forward priced by
+:class:`~lightning_dta.plan.rates.ActivationRates`. Beside it: the dfs path buffers (keys, values and their
+gradients, allocated outside autograd), what activation checkpointing recomputes in backward (one layer, which
+a saved-tensor meter does not see) and the head's working set (the largest batch's logits, their gradient and one
+float32 block of the log-softmax), which lives only during a loss and its backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_dta.bench.runner import ModeSpec
+from lightning_dta.engine.activation_budget import ActivationBudget, path_kv_bytes
+from lightning_dta.engine.dfs import DFSSchedule
+from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.step_data import StepData
+from lightning_dta.engine.token_scores import BLOCK_ELEMENTS
+from lightning_dta.engine.vanilla import micro_batches
+from lightning_dta.engine.walk import Chunk
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.plan.flops import ModelShape, WorkCount, causal_pairs
+from lightning_dta.plan.rates import ActivationRates
+from lightning_dta.plan.state import PRECISIONS, TrainingState
+from lightning_dta.tree import PrefixTree
+
+HEADROOM = 0.10  # of the accelerator's memory left to the allocator's fragmentation and the runtime's context
+RECOMPUTE_CHUNKS = (4096, 2048, 1024, 512, 256)  # chunk sizes tried for dfs recompute, largest (fewest calls) first
+
+
+@dataclass
+class ModePrediction:
+    """One mode's predicted activation memory (bytes) and FLOPs for the step."""
+
+    name: str
+    engine: EngineOptions
+    saved: float  # peak bytes saved for backward at once (what SavedTensorMeter measures)
+    path_buffers: float  # dfs: keys, values and their gradients for the longest path
+    recomputed_layer: float  # activation checkpointing: one layer re-run in backward (not a saved tensor)
+    head_working_set: float  # the largest batch's logits, their gradient and one float32 block
+    flops: float
+    checkpointing: bool = False
+
+    @property
+    def activations(self) -> float:
+        return self.saved + self.path_buffers + self.recomputed_layer + self.head_working_set
+
+
+@dataclass
+class StepPlan:
+    """Predictions for one step on one rank."""
+
+    shape: ModelShape
+    state: TrainingState
+    modes: dict[str, ModePrediction]
+    forward_only: ModePrediction  # tree_logprobs: proximal / reference log-probs
+    vanilla_forward_flops: float
+    stats: object  # the tree's TreeStats
+    notes: list[str] = field(default_factory=list)
+
+    def peak(self, mode: ModePrediction) -> float:
+        return self.state.total + mode.activations
+
+
+class PlannedWalk(DFSSchedule):
+    """The training walk's schedule run dry: the peak of saved bytes and the work of every forward."""
+
+    def __init__(self, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
+                 path_bytes: int) -> None:
+        budget = None
+        if engine.activation == "auto":
+            budget = ActivationBudget.for_tree(tree, engine, rates.budget_rates(), path_bytes)
+        super().__init__(tree, engine, rates.packed, step, budget)
+        self.rates = rates
+        self.live = self.peak = 0.0
+        self.work = WorkCount()
+        self.largest_positions = 0
+
+    def _hold(self, nbytes: float) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def visit_batch(self, chunks: list[Chunk]) -> None:
+        plan = self.plan_batch(chunks)
+        if plan is None:
+            return
+        batch = plan.batch
+        tokens = sum(batch.lengths) if batch.packed else len(batch.lengths) * max(batch.lengths)
+        pairs = sum(causal_pairs(batch.start, n) for n in batch.lengths)
+        positions = sum(t.columns.numel() for t in plan.targets)
+        saved = self.rates.saved(tokens, positions, sum(t.token_ids.numel() for t in plan.targets))
+        self.work.tokens += tokens
+        self.work.pairs += pairs
+        self.work.positions += positions
+        self.largest_positions = max(self.largest_positions, positions)
+        retained = self.rates.retained(tokens, positions, sum(t.token_ids.numel() for t in plan.targets))
+        if plan.keep:
+            self._hold(saved)
+            self.live -= saved - retained
+        else:  # pushed without a graph, re-forwarded with grad at the pop
+            self.work.recomputed_tokens += tokens
+            self.work.recomputed_pairs += pairs
+        for chunk in plan.chunks:
+            if chunk.has_children:
+                self.descend(chunk)
+        if not plan.keep:
+            self._hold(saved)
+            self.live -= saved - retained
+        self.live -= retained
+        self.release(plan)
+
+
+def head_working_set(positions: int, vocab: int, element: int) -> float:
+    """Logits [positions, vocab] and their gradient in the model's dtype, and one float32 block."""
+    return 2.0 * positions * vocab * element + 4.0 * min(positions * vocab, BLOCK_ELEMENTS)
+
+
+def _dfs(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
+         shape: ModelShape, element: int, config) -> ModePrediction:
+    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
+    walk = PlannedWalk(tree, engine, step, rates, kv)
+    walk.run()
+    return ModePrediction(name, engine, saved=walk.peak, path_buffers=2.0 * kv, recomputed_layer=0.0,
+                          head_working_set=head_working_set(walk.largest_positions, shape.vocab, element),
+                          flops=walk.work.training_flops(shape))
+
+
+PRECISIONS_ELEMENT = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
+
+
+def _vanilla(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
+             shape: ModelShape, element: int, checkpointing: bool) -> ModePrediction:
+    """Per-rollout training, as :mod:`~lightning_dta.engine.vanilla` runs it: the peak is the largest rollout's
+    forward. (Padded micro-batches, ``vanilla_batch_tokens``, are not modelled: the attention's saved mask and
+    layout copies depend on the kernel sdpa picks.)"""
+    if engine.vanilla_batch_tokens is not None:
+        raise ValueError("the planner predicts per-rollout vanilla (vanilla_batch_tokens=None) only")
+    lengths = [len(t) for t in tree.token_tensors]
+    work = WorkCount()
+    peak = largest_tokens = largest_positions = 0.0
+    for batch in micro_batches(lengths, engine.vanilla_batch_tokens):
+        grids = [g for g in (step.targets([r], 0, lengths[r]) for r in batch) if not g.empty]
+        rows = [r for r in batch if not step.targets([r], 0, lengths[r]).empty]
+        if not grids:
+            continue
+        width = max(lengths[r] for r in rows)
+        union = torch.unique(torch.cat([g.columns for g in grids])).numel()
+        # the head runs on the union of the rows' columns; a row scored on fewer keeps its own copy
+        positions = len(rows) * union + sum(g.columns.numel() for g in grids if g.columns.numel() != union)
+        grid = sum(g.token_ids.numel() for g in grids)
+        tokens = len(rows) * width
+        saved = (rates.checkpointed if checkpointing else rates.saved)(tokens, positions, grid)
+        peak = max(peak, saved)
+        largest_tokens = max(largest_tokens, tokens)
+        largest_positions = max(largest_positions, positions)
+        work.tokens += tokens
+        work.pairs += sum(causal_pairs(0, width) for _ in rows)
+        work.positions += len(rows) * union
+        if checkpointing:
+            work.recomputed_tokens += tokens
+            work.recomputed_pairs += sum(causal_pairs(0, width) for _ in rows)
+    return ModePrediction(name, engine, saved=peak, path_buffers=0.0,
+                          recomputed_layer=largest_tokens * rates.token_per_layer if checkpointing else 0.0,
+                          head_working_set=head_working_set(int(largest_positions), shape.vocab, element),
+                          flops=work.training_flops(shape), checkpointing=checkpointing)
+
+
+def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, element: int, config
+                  ) -> tuple[ModePrediction, float]:
+    """``tree_logprobs``: every tree token once, the head at every position; no graph. Its memory is the path's
+    keys/values and the largest sibling batch's logits. Also returns the per-rollout forward's FLOPs."""
+    class Counter(DFSSchedule):
+        def visit_batch(self, chunks: list[Chunk]) -> None:
+            lengths = [c.length for c in chunks]
+            tokens = sum(lengths) if self.packed else len(lengths) * max(lengths)
+            self.work.tokens += tokens
+            self.work.pairs += sum(causal_pairs(chunks[0].start, n) for n in lengths)
+            self.work.positions += tokens
+            self.largest = max(self.largest, tokens)
+            for chunk in chunks:
+                if chunk.has_children:
+                    self.descend(chunk)
+
+    forward_engine = dataclasses.replace(engine, activation="keep", activation_memory_budget=None)
+    walk = Counter(tree, forward_engine, True, None, None)
+    walk.work, walk.largest = WorkCount(), 0
+    walk.run()
+    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
+    logits = walk.largest * shape.vocab * element + 4.0 * min(walk.largest * shape.vocab, BLOCK_ELEMENTS)
+    lengths = [len(t) for t in tree.token_tensors]
+    vanilla = shape.forward_flops(sum(lengths), sum(causal_pairs(0, n) for n in lengths), sum(lengths))
+    prediction = ModePrediction("tree_logprobs", forward_engine, saved=0.0, path_buffers=float(kv),
+                                recomputed_layer=0.0, head_working_set=logits,
+                                flops=shape.forward_flops(walk.work.tokens, walk.work.pairs, walk.work.positions))
+    return prediction, vanilla
+
+
+def standard_modes(engine: EngineOptions | None = None, recompute_chunk: int = 2048) -> dict[str, ModeSpec]:
+    """vanilla, vanilla with activation checkpointing, dfs keep and dfs recompute (``recompute_chunk`` tokens per
+    chunk), with ``engine``'s sibling batching and order."""
+    engine = engine or EngineOptions()
+    keep = dataclasses.replace(engine, mode="dfs", activation="keep", activation_memory_budget=None)
+    vanilla = EngineOptions(mode="vanilla")
+    return {"vanilla": ModeSpec(vanilla), "vanilla-ckpt": ModeSpec(vanilla, activation_checkpointing=True),
+            "dfs": ModeSpec(keep),
+            "dfs-recompute": ModeSpec(dataclasses.replace(keep, activation="recompute", chunk_size=recompute_chunk))}
+
+
+def predict_mode(name: str, spec: ModeSpec, tree: PrefixTree, config, rates: ActivationRates,
+                 state: TrainingState, step: StepData | None = None) -> ModePrediction:
+    """One mode's prediction (dfs or vanilla, with or without activation checkpointing)."""
+    shape = ModelShape.from_config(config)
+    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
+    step = step or StepData(tree, PolicyLoss())
+    if spec.engine.mode == "dfs" and not spec.activation_checkpointing:
+        return _dfs(name, tree, spec.engine, step, rates, shape, element, config)
+    if spec.engine.mode == "vanilla":
+        return _vanilla(name, tree, spec.engine, step, rates, shape, element, spec.activation_checkpointing)
+    raise ValueError(f"mode {name!r}: the planner predicts dfs (without transformers checkpointing) and vanilla "
+                     f"(with or without it), not mode={spec.engine.mode!r}")
+
+
+def plan_step(tree: PrefixTree, config, rates: ActivationRates, state: TrainingState,
+              modes: dict[str, ModeSpec] | None = None, loss_fn: PolicyLoss | None = None) -> StepPlan:
+    """Predict the step of ``tree`` under each of ``modes`` (default :func:`standard_modes`), and the forward-only
+    walk with the dfs mode's options."""
+    modes = modes or standard_modes()
+    step = StepData(tree, loss_fn or PolicyLoss())
+    predictions = {name: predict_mode(name, spec, tree, config, rates, state, step) for name, spec in modes.items()}
+    walk_engine = next((s.engine for s in modes.values() if s.engine.mode == "dfs"), EngineOptions())
+    shape = ModelShape.from_config(config)
+    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
+    forward_only, vanilla_forward = _forward_only(tree, walk_engine, shape, element, config)
+    return StepPlan(shape, state, predictions, forward_only, vanilla_forward, tree.stats)
+
+
+@dataclass
+class Fit:
+    """A set of engine options that fits the memory, with its prediction."""
+
+    prediction: ModePrediction
+    peak: float
+
+
+def fitting_options(tree: PrefixTree, config, rates: ActivationRates, state: TrainingState, memory: float,
+                    engine: EngineOptions | None = None, loss_fn: PolicyLoss | None = None) -> list[Fit]:
+    """The dfs options whose predicted peak fits ``memory`` (less ``HEADROOM``), cheapest FLOPs first: keep; auto
+    with the budget the memory leaves; recompute at each of ``RECOMPUTE_CHUNKS``."""
+    engine = engine or EngineOptions()
+    loss_fn = loss_fn or PolicyLoss()
+    usable = memory * (1 - HEADROOM)
+    shape = ModelShape.from_config(config)
+    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
+    step = StepData(tree, loss_fn)
+    base = dataclasses.replace(engine, mode="dfs", activation="keep", activation_memory_budget=None)
+    candidates = {"dfs keep": base}
+    keep = _dfs("dfs keep", tree, base, step, rates, shape, element, config)
+    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
+    # auto's budget counts the path's keys/values and the saved tensors; the gradients of the path buffers and the
+    # head's working set come on top
+    budget = int(usable - state.total - kv - keep.head_working_set)
+    if budget > kv:
+        candidates["dfs auto"] = dataclasses.replace(base, activation="auto", activation_memory_budget=budget)
+    for chunk in RECOMPUTE_CHUNKS:
+        candidates[f"dfs recompute chunk {chunk}"] = dataclasses.replace(base, activation="recompute",
+                                                                         chunk_size=chunk)
+    fits = []
+    for name, options in candidates.items():
+        try:
+            prediction = keep if name == "dfs keep" else _dfs(name, tree, options, step, rates, shape, element,
+                                                              config)
+        except ValueError:  # a budget below what the path needs
+            continue
+        peak = state.total + prediction.activations
+        if peak <= usable:
+            fits.append(Fit(prediction, peak))
+    return sorted(fits, key=lambda f: f.prediction.flops)

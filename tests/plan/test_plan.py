@@ -1,0 +1,191 @@
+"""``lightning-dta plan``: its predictions against what the engine really saves and computes.
+
+The predicted peak of bytes saved for backward is checked against :class:`SavedTensorMeter` around the real
+``tree_backward`` for every mode the planner predicts, on the three bench shapes (small sizes), for a Llama in
+float32 and a Qwen3 with grouped-query attention in bfloat16. The issue asks for 15%; the model is exact per
+forward (module docstring of ``lightning_dta.plan.rates``), so the tests hold it to 2%.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_dta.bench.model import build_model
+from lightning_dta.bench.report import flop_speedup_limit
+from lightning_dta.bench.runner import ModeSpec, path_buffer_bytes, saved_peak_bytes
+from lightning_dta.bench.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
+from lightning_dta.engine import EngineOptions
+from lightning_dta.engine.activation_budget import measure_rates
+from lightning_dta.engine.model_info import inspect_model
+from lightning_dta.losses import PolicyLoss
+from lightning_dta.plan import ModelShape, TrainingState, plan_step, probe_rates
+from lightning_dta.plan.cli import main, parse_bytes
+from lightning_dta.plan.predict import HEADROOM, fitting_options, standard_modes
+from lightning_dta.rollout import Rollout, write_rollouts
+from lightning_dta.tree import PrefixTree
+
+VOCAB = 512
+WORKLOADS = {
+    "grpo": GRPOWorkload(2, 4, (90, 110), (24, 64)),
+    "agent": AgentWorkload(2, 3, 200, (10, 30), (10, 40), (20, 50), (5, 15)),
+    "tree-search": TreeSearchWorkload(64, (2, 2, 2), (12, 40)),
+}
+MODELS = {  # name -> (shape, Lightning precision)
+    "llama-fp32": (dict(layers=3, hidden=64, heads=4, vocab=VOCAB, dtype=torch.float32), "32-true"),
+    "qwen3-bf16": (dict(arch="qwen3", layers=2, hidden=64, heads=4, kv_heads=2, head_dim=32, vocab=VOCAB,
+                        dtype=torch.bfloat16), "bf16-true"),
+}
+BOUND = 0.02
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_and_rates(request):
+    shape, precision = MODELS[request.param]
+    model = build_model(**shape)
+    return model, probe_rates(model.config, shape["dtype"]), precision
+
+
+def test_clone_probes_give_the_rates_the_engine_probes_on_the_whole_model(model_and_rates) -> None:
+    model, rates, _ = model_and_rates
+    info = inspect_model(model, uses_cache=True, prefix_attention=None, prefix_attention_backend=None)
+    assert rates.packed
+    whole = measure_rates(model, info, torch.float32, PolicyLoss())
+    assert rates.budget_rates() == pytest.approx(whole, rel=1e-6)
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+def test_predicted_peak_of_saved_bytes_matches_the_engine(model_and_rates, workload: str) -> None:
+    model, rates, precision = model_and_rates
+    tree = PrefixTree.from_rollouts(WORKLOADS[workload].generate(VOCAB, 0))
+    modes = standard_modes(EngineOptions(), recompute_chunk=32)
+    keep = saved_peak_bytes(model, tree, modes["dfs"])
+    modes["dfs-auto"] = ModeSpec(EngineOptions(activation="auto", activation_memory_budget=int(0.6 * keep)))
+    modes["dfs-unbatched"] = ModeSpec(EngineOptions(sibling_batch_tokens=None))
+    modes["dfs-chunked"] = ModeSpec(EngineOptions(chunk_size=48))
+    plan = plan_step(tree, model.config, rates, TrainingState(1, 1, precision=precision), modes)
+    errors = {}
+    for name, spec in modes.items():
+        measured = saved_peak_bytes(model, tree, spec)
+        errors[name] = plan.modes[name].saved / measured - 1
+    worst = {n: f"{e:+.2%}" for n, e in errors.items() if abs(e) > BOUND}
+    assert not worst, worst
+    dtype = next(model.parameters()).dtype
+    assert plan.modes["dfs"].path_buffers == path_buffer_bytes(model.config, tree.stats.max_depth_tokens, dtype)
+    assert plan.modes["vanilla"].path_buffers == 0
+
+
+def _flops_by_definition(shape: ModelShape, pieces: list[tuple[int, int, int]]) -> float:
+    """Forward + backward (3 forwards) of pieces (prefix, new tokens, scored positions)."""
+    return sum(3 * shape.forward_flops(n, n * p + n * (n + 1) // 2, c) for p, n, c in pieces)
+
+
+def test_flops_follow_the_definition() -> None:
+    config = build_model(layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, vocab=VOCAB).config
+    shape = ModelShape.from_config(config)
+    assert shape.linear_macs_per_token == 2 * (64 * 16 * (2 * 4 + 2 * 2) + 3 * 64 * config.intermediate_size)
+    prompt = list(range(40))
+    rollouts = [Rollout(input_ids=prompt + list(range(first, first + n)), loss_mask=[0] * 40 + [1] * n)
+                for first, n in ((100, 10), (200, 20))]
+    tree = PrefixTree.from_rollouts(rollouts)
+    rates = probe_rates(config, torch.float32)
+    plan = plan_step(tree, config, rates, TrainingState(1, 1, precision="32-true"),
+                     standard_modes(EngineOptions(sibling_batch_tokens=None), recompute_chunk=64))
+    # position p predicts token p+1: the prompt's last position is scored, responses' last positions are not
+    vanilla = _flops_by_definition(shape, [(0, 50, 10), (0, 60, 20)])
+    dfs = _flops_by_definition(shape, [(0, 40, 1), (40, 10, 9), (40, 20, 19)])
+    assert plan.modes["vanilla"].flops == pytest.approx(vanilla)
+    assert plan.modes["dfs"].flops == pytest.approx(dfs)
+    # recompute: the prompt's body forward once more; checkpointing: every rollout's body once more
+    assert plan.modes["dfs-recompute"].flops == pytest.approx(dfs + shape.forward_flops(40, 40 * 41 // 2, 0))
+    assert plan.modes["vanilla-ckpt"].flops == pytest.approx(
+        vanilla + shape.forward_flops(110, 50 * 51 // 2 + 60 * 61 // 2, 0))
+
+
+def test_flops_agree_with_the_bench_flop_limit() -> None:
+    """Where no scored position is shared (the bench's limit counts the head per trained token in both), the ratio
+    of the planner's vanilla and dfs FLOPs is the bench's FLOP limit."""
+    model = build_model(layers=2, hidden=64, heads=4, vocab=VOCAB)
+    rollouts = WORKLOADS["grpo"].generate(VOCAB, 0)
+    for r in rollouts:  # the first response token untrained: the prompt's last position is scored by no rollout
+        first = r.loss_mask.index(1)
+        r.loss_mask[first] = 0
+    tree = PrefixTree.from_rollouts(rollouts)
+    plan = plan_step(tree, model.config, probe_rates(model.config, torch.float32), TrainingState(1, 1))
+    c = model.config
+    trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
+    limit = flop_speedup_limit([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors],
+                               trained, c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size)
+    assert plan.modes["vanilla"].flops / plan.modes["dfs"].flops == pytest.approx(limit, rel=1e-9)
+
+
+def test_options_that_fit_do_fit_when_run() -> None:
+    """A memory below dfs keep's need: keep is not offered; the cheapest option offered, run for real, saves no more
+    than predicted, and the predicted peak is within the memory."""
+    model = build_model(layers=3, hidden=64, heads=4, vocab=VOCAB)
+    config = model.config
+    tree = PrefixTree.from_rollouts(WORKLOADS["agent"].generate(VOCAB, 0))
+    rates = probe_rates(config, torch.float32)
+    state = TrainingState(sum(p.numel() for p in model.parameters()), 0, precision="32-true")
+    keep = plan_step(tree, config, rates, state).modes["dfs"]
+    memory = (state.total + 0.6 * keep.activations) / (1 - HEADROOM)
+    fits = fitting_options(tree, config, rates, state, memory)
+    names = [f.prediction.name for f in fits]
+    assert "dfs keep" not in names and names, names
+    best = fits[0]
+    assert best.peak <= memory * (1 - HEADROOM)
+    assert best.prediction.flops < fits[-1].prediction.flops
+    measured = saved_peak_bytes(model, tree, ModeSpec(best.prediction.engine))
+    assert measured <= best.prediction.saved * (1 + BOUND)
+
+
+def test_state_memory_replicated_and_sharded() -> None:
+    replicated = TrainingState(1_000_000, 10_000, precision="bf16-true", optimizer="adamw")
+    assert (replicated.weights, replicated.gradients, replicated.optimizer_state) == (2e6, 2e6, 4e6)
+    assert replicated.total == 8e6
+    sharded = TrainingState(1_000_000, 10_000, precision="bf16-mixed", strategy="dta_fsdp", ranks=8)
+    # fp32 state over 8 ranks, two gathered layers, autocast copies of the gathered layers in bf16
+    assert sharded.total == pytest.approx(4 * 4e6 / 8 + 2 * 10_000 * 4 + 2 * 2 * 10_000)
+    with pytest.raises(ValueError, match="precision"):
+        TrainingState(1, 1, precision="fp8")
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("1.5e9") == 1_500_000_000
+    with pytest.raises(ValueError, match="80GB"):
+        parse_bytes("80 parsecs")
+
+
+def test_cli_prints_every_mode_and_what_fits(capsys) -> None:
+    assert main(["--workload", "tree-search", "--memory", "100MiB", "--precision", "32-true"]) == 0
+    out = capsys.readouterr().out
+    for mode in ("vanilla ", "vanilla-ckpt", "dfs ", "dfs-recompute", "tree_logprobs", "fit 100.0 MiB",
+                 "activation:"):
+        assert mode in out, out
+    assert main(["--workload", "grpo", "--devices", "2", "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["ranks"] == 2 and set(record["modes"]) == {"vanilla", "vanilla-ckpt", "dfs", "dfs-recompute"}
+    assert record["modes"]["dfs"]["tflops"] < record["modes"]["vanilla"]["tflops"]
+
+
+def test_cli_reads_a_model_directory_and_a_rollout_file(tmp_path, capsys) -> None:
+    build_model(layers=2, hidden=64, heads=4, vocab=VOCAB).config.save_pretrained(tmp_path / "model")
+    rollouts = tmp_path / "step.jsonl"
+    write_rollouts(rollouts, WORKLOADS["grpo"].generate(VOCAB, 0))
+    assert main(["--model", str(tmp_path / "model"), "--rollouts", str(rollouts)]) == 0
+    assert "8 rollouts" in capsys.readouterr().out
+
+
+def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys) -> None:
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+    assert main(["--memory", "lots"]) == 2
+    assert "80GB" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": "oops"}\n')
+    assert main(["--rollouts", str(bad)]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err
