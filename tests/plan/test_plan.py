@@ -9,6 +9,8 @@ forward (module docstring of ``lightning_dta.plan.rates``), so the tests hold it
 from __future__ import annotations
 
 import json
+import re
+import shlex
 
 import pytest
 import torch
@@ -189,3 +191,13 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys) -> None:
     bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": "oops"}\n')
     assert main(["--rollouts", str(bad)]) == 2
     assert f"{bad}:2" in capsys.readouterr().err
+
+
+def test_the_readme_plan_command_runs_as_printed(capsys) -> None:
+    from tests.helpers import REPO
+
+    commands = re.findall(r"^lightning-dta plan (.*)$", (REPO / "README.md").read_text(), flags=re.MULTILINE)
+    assert commands, "the README lost its plan command"
+    for command in commands:
+        assert main(shlex.split(command)) == 0
+        assert "engine options that fit" in capsys.readouterr().out
