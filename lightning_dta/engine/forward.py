@@ -76,6 +76,29 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
                        **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
         recorder = cache.new_kv
+    _check_layers(model, info, recorder)
+    if kept is None:  # every position
+        return batch.split_all(logits), recorder.kv()
+    if not info.logits_to_keep:
+        logits = logits[:, to_device(kept, logits.device)]
+    return batch.split_logits(logits, kept, columns), recorder.kv()
+
+
+def forward_cousins(model: nn.Module, info: ModelInfo, batch, levels: list) -> tuple[list[torch.Tensor], KV]:
+    """Forward a cousin batch (:class:`~lightning_dta.engine.cousins.CousinBatch`) under prefix attention, each
+    chunk over its ancestor ``levels``, without a graph. Returns each chunk's logits at all its positions and the
+    new keys/values of every layer (chunk ``i``'s are ``[:, :, offset_i : offset_i + length_i]``)."""
+    device = info.device
+    input_ids, positions = to_device(batch.input_ids(), device), to_device(batch.positions(), device)
+    deepest = max(c.start for c in batch.chunks)
+    with attention_switch(info.prefix_attention_configs, info.attention_backend, None, batch.spans, levels,
+                          deepest) as switched:
+        logits = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+    _check_layers(model, info, switched.new_kv)
+    return list(logits[0].split(batch.lengths)), switched.new_kv.kv()
+
+
+def _check_layers(model: nn.Module, info: ModelInfo, recorder) -> None:
     if info.num_layers is not None and len(recorder) != info.num_layers:
         raise ModelNotSupportedError(
             f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.num_layers} layers in a "
@@ -83,11 +106,6 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
             "state-space layers, cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
             + (", or prefix_attention=False if the model's attention bypasses the attention interface"
                if info.packs_siblings else "") + ".")
-    if kept is None:  # every position
-        return batch.split_all(logits), recorder.kv()
-    if not info.logits_to_keep:
-        logits = logits[:, to_device(kept, logits.device)]
-    return batch.split_logits(logits, kept, columns), recorder.kv()
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool,

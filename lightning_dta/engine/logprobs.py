@@ -1,8 +1,10 @@
 """Forward-only tree walk: the log-prob of every token of every rollout, each shared token computed once.
 
-Used for reference-model and proximal/old log-probs, which RL recomputes every step. No graph is kept; the
-path's keys/values live in the same preallocated buffers as in training, and siblings are batched exactly as
-the training walk batches them (the same :class:`~lightning_dta.engine.walk.TreeWalk`, the same options).
+Used for reference-model and proximal/old log-probs, which RL recomputes every step. No graph is kept. Under
+prefix attention the walk packs cousins (:class:`CousinLogprobWalk`, :mod:`~lightning_dta.engine.cousins`): any
+pending chunks, whatever their parents, share one forward of up to ``sibling_batch_tokens`` tokens. Otherwise
+(the model's own attention, or ``sibling_batch_tokens=None``) it batches siblings exactly as the training walk
+does (the same :class:`~lightning_dta.engine.walk.TreeWalk`, the path's keys/values in the same buffers).
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dta.engine.cousins import CousinBatch, PendingChunks, successors
 from lightning_dta.engine.device import expected_sync, to_device
-from lightning_dta.engine.forward import forward_batch
+from lightning_dta.engine.forward import forward_batch, forward_cousins
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import StepData, check_tree_fits_model
 from lightning_dta.engine.token_scores import token_scores
-from lightning_dta.engine.walk import Chunk, TreeWalk
+from lightning_dta.engine.walk import Chunk, TreeWalk, order_children
 from lightning_dta.tree import PrefixTree
 
 
@@ -82,6 +85,37 @@ class LogprobWalk(TreeWalk):
                 self.descend(chunk)
 
 
+class CousinLogprobWalk(LogprobWalk):
+    """The forward-only walk with cousins packed (prefix attention only; :mod:`~lightning_dta.engine.cousins`):
+    pending chunks of any parent go through one forward, up to ``sibling_batch_tokens`` tokens."""
+
+    def run(self) -> None:
+        chunk_size, order = self.engine.chunk_size, self.engine.order
+        roots = [Chunk.first(child, chunk_size) for child in order_children(self.tree.root, order)]
+        pending = PendingChunks(roots)
+        while pending:
+            chunks = pending.take(self.engine.sibling_batch_tokens)
+            ancestry = [pending.ancestry(c) for c in chunks]
+            batch = CousinBatch([self.tree.tokens(c.node)[c.start - c.node.start:c.end - c.node.start]
+                                 for c in chunks], chunks)
+            levels = batch.levels(ancestry, pending.kv, self.info.device) if any(ancestry) else []
+            logits, new_kv = forward_cousins(self.model, self.info, batch, levels)
+            for chunk_logits, chunk in zip(logits, chunks):
+                self._record(chunk_logits, chunk)
+
+            def kv_of(row: int, batch=batch, new_kv=new_kv):
+                a, n = batch.offsets[row], batch.lengths[row]
+                return [(k[:, :, a:a + n], v[:, :, a:a + n]) for k, v in new_kv]
+
+            pending.finish(chunks, kv_of, lambda c: successors(c, chunk_size, order))
+
+
+def _walk(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions, values: bool) -> LogprobWalk:
+    """Cousins packed where prefix attention runs (and sibling batching is on); siblings only otherwise."""
+    packs_cousins = info.packs_siblings and engine.sibling_batch_tokens is not None
+    return (CousinLogprobWalk if packs_cousins else LogprobWalk)(model, info, tree, engine, values)
+
+
 def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
                   **overrides: Any) -> list[torch.Tensor]:
     """Forward only: one 1-D tensor per rollout (input order); entry ``t-1`` is ``log p(x_t | x_<t)``.
@@ -95,7 +129,7 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
                          prefix_attention_backend=engine.prefix_attention_backend)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     with torch.no_grad():
-        return LogprobWalk(model, info, tree, engine).logprobs()
+        return _walk(model, info, tree, engine, False).logprobs()
 
 
 def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
@@ -108,4 +142,4 @@ def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | 
                          prefix_attention_backend=engine.prefix_attention_backend)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     with torch.no_grad():
-        return LogprobWalk(critic, info, tree, engine, values=True).logprobs()
+        return _walk(critic, info, tree, engine, True).logprobs()

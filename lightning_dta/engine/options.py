@@ -44,7 +44,9 @@ class EngineOptions:
 
     sibling_batch_tokens: int | None = 4096
     """dfs and forward-only walks: forward up to this many tokens of sibling chunks together over their shared
-    prefix (packed into one row under prefix attention, padded rows otherwise); null forwards each alone."""
+    prefix (packed into one row under prefix attention, padded rows otherwise); null forwards each alone. Under
+    prefix attention, forward-only walks pack cousins too (pending chunks of any parent, each over its own
+    ancestors)."""
 
     order: Order = "leaves-first"
     """dfs and forward-only walks: "leaves-first" (leaf children first, then subtrees from the smallest; each

@@ -62,13 +62,9 @@ class PackedLayout:
         return cls(Varlen.of(lengths, device), Varlen.of((sum(lengths),), device), Varlen.of((prefix_length,), device))
 
 
-def _tokens_first(t: torch.Tensor) -> torch.Tensor:
+def tokens_first(t: torch.Tensor) -> torch.Tensor:
     """``[1, heads, tokens, dim]`` (transformers' layout) as the varlen ``[tokens, heads, dim]``, a view."""
     return t[0].transpose(0, 1)
-
-
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1)[None]
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: torch.Tensor
@@ -77,6 +73,42 @@ def merge(out: torch.Tensor, lse: torch.Tensor, other: torch.Tensor, other_lse: 
     merged = torch.logaddexp(lse, other_lse)
     weight, other_weight = torch.exp(lse - merged).t()[..., None], torch.exp(other_lse - merged).t()[..., None]
     return (out * weight + other * other_weight).to(out.dtype), merged
+
+
+@dataclass(frozen=True)
+class AncestorLevel:
+    """Level ``d`` of a cousin batch: the queries of the chunks deeper than ``d`` (``index`` into the batch's
+    tokens, ``None``: all of them, in order), grouped by their ancestor at ``d`` (``queries``), and those ancestors'
+    keys/values, concatenated once per layer (``kv``; ``keys`` their lengths)."""
+
+    index: torch.Tensor | None
+    queries: Varlen
+    keys: Varlen
+    kv: KV
+
+
+def cousin_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spans: Varlen, levels: list[AncestorLevel],
+                     layer: int, backend: AttentionBackend, scale: float) -> torch.Tensor:
+    """``[T, H, D]`` attention of packed chunks (``spans``) over their own keys (causal) and their ancestors
+    (``levels``), merged by log-sum-exp. Forward only."""
+    out, lse = backend.forward(q, k, v, spans, spans, True, scale)
+    for level in levels:
+        keys, values = level.kv[layer]
+        if level.index is None:
+            other, other_lse = backend.forward(q, tokens_first(keys), tokens_first(values), level.queries, level.keys,
+                                               False, scale)
+            out, lse = merge(out, lse, other, other_lse)
+            continue
+        other, other_lse = backend.forward(q.index_select(0, level.index), tokens_first(keys), tokens_first(values),
+                                           level.queries, level.keys, False, scale)
+        merged, merged_lse = merge(out.index_select(0, level.index), lse.index_select(1, level.index), other,
+                                   other_lse)
+        out, lse = out.index_copy(0, level.index, merged), lse.index_copy(1, level.index, merged_lse)
+    return out
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1)[None]
 
 
 class PrefixCausalAttention(torch.autograd.Function):
@@ -91,10 +123,10 @@ class PrefixCausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, prefix_keys, prefix_values, keys, values, layout: PackedLayout, scale: float,
                 backend: AttentionBackend):
-        q, k, v = _tokens_first(query), _tokens_first(keys), _tokens_first(values)
+        q, k, v = tokens_first(query), tokens_first(keys), tokens_first(values)
         out, lse = backend.forward(q, k, v, layout.spans, layout.spans, True, scale)
         if prefix_keys is not None:
-            shared, shared_lse = backend.forward(q, _tokens_first(prefix_keys), _tokens_first(prefix_values),
+            shared, shared_lse = backend.forward(q, tokens_first(prefix_keys), tokens_first(prefix_values),
                                                  layout.queries, layout.prefix, False, scale)
             out, lse = merge(out, lse, shared, shared_lse)
         ctx.save_for_backward(query, keys, values, out, lse)
@@ -110,14 +142,14 @@ class PrefixCausalAttention(torch.autograd.Function):
         query, keys, values, out, lse = ctx.saved_tensors
         prefix_keys, prefix_values = ctx.prefix
         layout, scale, backend = ctx.layout, ctx.scale, ctx.backend
-        q, k, v = _tokens_first(query), _tokens_first(keys), _tokens_first(values)
+        q, k, v = tokens_first(query), tokens_first(keys), tokens_first(values)
         grad_out = grad_out[0].contiguous()
         grad_q, grad_k, grad_v = backend.backward(grad_out, q, k, v, out, lse, layout.spans, layout.spans, True,
                                                   scale)
         grad_prefix_keys = grad_prefix_values = None
         if prefix_keys is not None:
             grad_shared_q, grad_prefix_keys, grad_prefix_values = backend.backward(
-                grad_out, q, _tokens_first(prefix_keys), _tokens_first(prefix_values), out, lse, layout.queries,
+                grad_out, q, tokens_first(prefix_keys), tokens_first(prefix_values), out, lse, layout.queries,
                 layout.prefix, False, scale)
             grad_q = grad_q + grad_shared_q
             grad_prefix_keys, grad_prefix_values = _heads_first(grad_prefix_keys), _heads_first(grad_prefix_values)
@@ -144,6 +176,8 @@ class SwitchedForward:
     backend: AttentionBackend
     past: KV | None
     spans: Spans
+    levels: list | None = None  # a cousin batch's ancestor levels (forward only, :mod:`.cousins`) instead of past
+    deepest_start: int = 0  # a cousin batch's largest start position (the sliding-window check)
     new_kv: KVRecorder = field(default_factory=KVRecorder)
     shape: AttentionShape | None = None
     _layout: PackedLayout | None = None
@@ -208,7 +242,7 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} only runs inside lightning_dta's tree engine")
     layer = getattr(module, "layer_idx", None)
     past = forward.past[layer] if forward.past and layer is not None else (None, None)
-    prefix_length = past[0].shape[2] if past[0] is not None else 0
+    prefix_length = past[0].shape[2] if past[0] is not None else forward.deepest_start
     reason = _unsupported_call(module, forward, prefix_length, attention_mask, dropout, kwargs)
     if reason is None and query.shape[0] != 1:
         reason = "the batch has more than one row (prefix attention takes chunks packed into one row)"
@@ -220,8 +254,14 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if forward.shape is None:
         forward.shape = AttentionShape(query.shape[1], key.shape[1], query.shape[-1], query.dtype, scale)
     forward.new_kv.record(layer, key, value)
-    layout = forward.layout(prefix_length, query.device)
+    layout = forward.layout(prefix_length if forward.levels is None else 0, query.device)
     try:
+        if forward.levels is not None:
+            if torch.is_grad_enabled():
+                raise RuntimeError("a cousin batch is forward only (its ancestors' keys/values carry no gradient)")
+            out = cousin_attention(tokens_first(query), tokens_first(key), tokens_first(value), layout.spans,
+                                   forward.levels, layer, forward.backend, scale)[None]
+            return out, None
         out = PrefixCausalAttention.apply(query, past[0], past[1], key, value, layout, scale, forward.backend)
     except Exception as error:
         raise KernelError(f"prefix attention's {forward.backend.name!r} kernels failed: {error}") from error
@@ -313,13 +353,14 @@ def probe(model: nn.Module, num_layers: int | None, backend: AttentionBackend, d
 
 
 @contextmanager
-def attention_switch(configs: tuple, backend: AttentionBackend, past: KV | None, spans: Spans
-                     ) -> Iterator[SwitchedForward]:
+def attention_switch(configs: tuple, backend: AttentionBackend, past: KV | None, spans: Spans,
+                     levels: list | None = None, deepest_start: int = 0) -> Iterator[SwitchedForward]:
     """The attention switch: run the model's attention as prefix attention (``backend``'s kernels) over
-    ``past`` for one forward of the packed chunks ``spans``; yields the forward's record (its ``new_kv``). The
+    ``past`` (or, for a forward-only cousin batch, its ancestor ``levels``) for one forward of the packed chunks
+    ``spans``; yields the forward's record (its ``new_kv``). The
     switch is undone on exit, even on error. Another thread using the same model meanwhile would run prefix
     attention too and fail loudly: a model being trained is not for concurrent use."""
-    forward = SwitchedForward(backend, past, spans)
+    forward = SwitchedForward(backend, past, spans, levels, deepest_start)
     token = _ACTIVE.set(forward)
     with _SWITCH_LOCK:
         for c in configs:

@@ -17,12 +17,13 @@ import torch
 
 from lightning_dta.bench.runner import ModeSpec
 from lightning_dta.engine.activation_budget import ActivationBudget, path_kv_bytes
+from lightning_dta.engine.cousins import PendingChunks, successors
 from lightning_dta.engine.dfs import DFSSchedule
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.engine.token_scores import BLOCK_ELEMENTS
 from lightning_dta.engine.vanilla import micro_batches
-from lightning_dta.engine.walk import Chunk
+from lightning_dta.engine.walk import Chunk, order_children
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.plan.flops import ModelShape, WorkCount, causal_pairs
 from lightning_dta.plan.rates import ActivationRates
@@ -170,33 +171,44 @@ def _vanilla(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData,
                           flops=work.training_flops(shape), checkpointing=checkpointing)
 
 
+def _level_copies(ancestry: list[list[Chunk]]) -> int:
+    """Tokens of keys/values a cousin batch concatenates: at each ancestor level with more than one distinct
+    ancestor, each of them once (:meth:`~lightning_dta.engine.cousins.CousinBatch.levels`)."""
+    total = 0
+    for depth in range(max(map(len, ancestry))):
+        distinct = dict.fromkeys(chain[depth] for chain in ancestry if len(chain) > depth)
+        if len(distinct) > 1:
+            total += sum(a.length for a in distinct)
+    return total
+
+
 def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, element: int, config
                   ) -> tuple[ModePrediction, float]:
-    """``tree_logprobs``: every tree token once, the head at every position; no graph. Its memory is the path's
-    keys/values and the largest sibling batch's logits. Also returns the per-rollout forward's FLOPs."""
-    class Counter(DFSSchedule):
-        def visit_batch(self, chunks: list[Chunk]) -> None:
-            lengths = [c.length for c in chunks]
-            tokens = sum(lengths) if self.packed else len(lengths) * max(lengths)
-            self.work.tokens += tokens
-            self.work.pairs += sum(causal_pairs(chunks[0].start, n) for n in lengths)
-            self.work.positions += tokens
-            self.largest = max(self.largest, tokens)
-            for chunk in chunks:
-                if chunk.has_children:
-                    self.descend(chunk)
-
-    forward_engine = dataclasses.replace(engine, activation="keep", activation_memory_budget=None)
-    walk = Counter(tree, forward_engine, True, None, None)
-    walk.work, walk.largest = WorkCount(), 0
-    walk.run()
-    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
-    logits = walk.largest * shape.vocab * element + 4.0 * min(walk.largest * shape.vocab, BLOCK_ELEMENTS)
+    """``tree_logprobs`` as :class:`~lightning_dta.engine.logprobs.CousinLogprobWalk` runs it (the same stack of
+    pending chunks): every tree token once, the head at every position, no graph. Its memory: the keys/values of the
+    ancestors of pending chunks, the batch's own and its ancestor levels' concatenations, and the batch's logits.
+    Also returns the per-rollout forward's FLOPs."""
+    per_token = path_kv_bytes(config, 1, PRECISIONS_ELEMENT[element])
+    roots = [Chunk.first(child, engine.chunk_size) for child in order_children(tree.root, engine.order)]
+    pending = PendingChunks(roots)
+    work, peak = WorkCount(), 0.0
+    while pending:
+        batch = pending.take(engine.sibling_batch_tokens)
+        tokens = sum(c.length for c in batch)
+        work.tokens += tokens
+        work.positions += tokens
+        work.pairs += sum(causal_pairs(c.start, c.length) for c in batch)
+        ancestry = [pending.ancestry(c) for c in batch]
+        copies = _level_copies(ancestry)
+        held = sum(c.length for c in pending.kv)
+        logits = tokens * shape.vocab * element + 4.0 * min(tokens * shape.vocab, BLOCK_ELEMENTS)
+        peak = max(peak, (held + tokens + copies) * per_token + logits)
+        pending.finish(batch, lambda row: None, lambda c: successors(c, engine.chunk_size, engine.order))
     lengths = [len(t) for t in tree.token_tensors]
     vanilla = shape.forward_flops(sum(lengths), sum(causal_pairs(0, n) for n in lengths), sum(lengths))
-    prediction = ModePrediction("tree_logprobs", forward_engine, saved=0.0, path_buffers=float(kv),
-                                recomputed_layer=0.0, head_working_set=logits,
-                                flops=shape.forward_flops(walk.work.tokens, walk.work.pairs, walk.work.positions))
+    prediction = ModePrediction("tree_logprobs", engine, saved=0.0, path_buffers=0.0, recomputed_layer=0.0,
+                                head_working_set=peak, flops=shape.forward_flops(work.tokens, work.pairs,
+                                                                                 work.positions))
     return prediction, vanilla
 
 
