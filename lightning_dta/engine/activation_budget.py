@@ -3,10 +3,11 @@
 Under ``keep`` every inner chunk's activations stay saved until its pop, so the path's sum is the peak; under
 ``recompute`` none do, and every inner chunk is forwarded twice. Both are exact, and so is any mix: the walk
 decides per sibling batch of inner chunks. It keeps a batch when the bytes already kept on the path, plus the
-batch's predicted bytes, plus room for the largest batch that may run on top of it (a leaf batch, or a
-recomputed pop), plus the path's key/value buffers stay within ``activation_memory_budget``; otherwise it
-recomputes the batch at its pop. Top-down, this keeps the long shared prefixes near the root (forwarded once for
-every rollout below them) and recomputes deeper inner nodes when memory runs out; leaves never need recompute.
+batch's predicted bytes, plus room for the largest batch that may run on top of it (the largest batch in
+its chunks' subtrees: a leaf batch, or a recomputed pop), plus the path's key/value buffers stay within
+``activation_memory_budget``; otherwise it recomputes the batch at its pop. Top-down, this keeps the long shared
+prefixes near the root (forwarded once for every rollout below them) and recomputes deeper inner nodes when memory
+runs out; leaves never need recompute.
 
 The prediction is linear: ``body bytes per computed token x tokens + head bytes per scored position x
 positions``, the two rates measured once per model and dtype by a probe forward (a 64-token sequence, saved
@@ -129,9 +130,10 @@ class ActivationBudget:
         return int(MARGIN * (self.body_per_token * tokens + self.head_per_position * positions
                              + self.per_grid_entry * grid_entries))
 
-    def try_keep(self, predicted: int) -> bool:
-        """Keep a batch of inner chunks (``predicted`` bytes) if the path, it and one more batch fit."""
-        if self.fixed + self.kept + predicted + self.reserve > self.budget:
+    def try_keep(self, predicted: int, room: int | None = None) -> bool:
+        """Keep a batch of inner chunks (``predicted`` bytes) if the path, it and the largest batch that may run
+        while it is kept (``room``; default: one of ``reserve_tokens``) fit."""
+        if self.fixed + self.kept + predicted + (self.reserve if room is None else room) > self.budget:
             return False
         self.kept += predicted
         return True

@@ -29,7 +29,7 @@ from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import ChunkTargets, StepData
 from lightning_dta.engine.walk import Chunk, TreeWalk
 from lightning_dta.losses import PolicyLoss
-from lightning_dta.tree import PrefixTree
+from lightning_dta.tree import PrefixTree, TreeNode
 
 
 @dataclass
@@ -59,6 +59,24 @@ class DFSSchedule(TreeWalk):
         super().__init__(tree, engine, packed)
         self.step = step
         self.budget = budget
+        self.room_below = self._room_below() if budget is not None else {}
+
+    def _room_below(self) -> dict[TreeNode, int]:
+        """Per node, the predicted bytes of the largest batch that can run while a chunk of it is kept: its later
+        chunks, its children's sibling batches (leaves and inner chunks apart, each at most the batch cap) and,
+        recursively, theirs. A kept batch needs room for that much only, not for the tree's largest batch."""
+        budget, cap = self.budget, self.budget.reserve_tokens
+        room: dict[TreeNode, int] = {}
+        for node in reversed(self.tree.nodes[1:]):  # children before parents (pre-order reversed)
+            sizes = [min(node.length - cap, cap)] if node.length > cap else []
+            for inner in (False, True):
+                tokens = sum(min(c.length, cap) for c in node.children if (not c.is_leaf) == inner)
+                if tokens:
+                    sizes.append(min(tokens, cap))
+            largest = max(sizes, default=0)
+            below = max((room[c] for c in node.children), default=0)
+            room[node] = max(budget.predict(largest, largest, largest), below)
+        return room
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """Under recompute (and auto), leaves need grad at once and inner chunks perhaps only at their pop: never
@@ -97,9 +115,10 @@ class DFSSchedule(TreeWalk):
             chunks, targets = [k[0] for k in kept], [k[1] for k in kept]
         inner = [c.has_children for c in chunks]
         batch = SiblingBatch.of(self.tree, chunks, self.packed)
-        return BatchPlan(chunks, targets, inner, batch, self._keeps(batch, targets, inner))
+        return BatchPlan(chunks, targets, inner, batch, self._keeps(chunks, batch, targets, inner))
 
-    def _keeps(self, batch: SiblingBatch, targets: list[ChunkTargets], inner: list[bool]) -> int | None:
+    def _keeps(self, batch_chunks: list[Chunk], batch: SiblingBatch, targets: list[ChunkTargets], inner: list[bool]
+               ) -> int | None:
         if self.engine.activation == "keep" or not any(inner):
             return 0
         if self.budget is None:
@@ -107,7 +126,8 @@ class DFSSchedule(TreeWalk):
         tokens = sum(batch.lengths) if batch.packed else len(batch.lengths) * max(batch.lengths)
         predicted = self.budget.predict(tokens, sum(t.columns.numel() for t in targets),
                                         sum(t.token_ids.numel() for t in targets))
-        return predicted if self.budget.try_keep(predicted) else None
+        room = max(self.room_below[c.node] for c, is_inner in zip(batch_chunks, inner) if is_inner)
+        return predicted if self.budget.try_keep(predicted, room) else None
 
     def release(self, plan: BatchPlan) -> None:
         """The batch was popped: what it was granted is free again."""

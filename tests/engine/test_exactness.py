@@ -250,8 +250,8 @@ def test_auto_keeps_what_fits_and_recomputes_the_rest(llama64, monkeypatch):
 
     decisions = []
     try_keep = ActivationBudget.try_keep
-    monkeypatch.setattr(ActivationBudget, "try_keep", lambda self, p: decisions.append(try_keep(self, p)) or
-                        decisions[-1])
+    monkeypatch.setattr(ActivationBudget, "try_keep", lambda self, p, room: decisions.append(try_keep(self, p, room))
+                        or decisions[-1])
     rollouts = random_tree_rollouts(random.Random(1), num_rollouts=10)
     loss_fn = dta.PolicyLoss(clip_eps=0.2, kl_coef=0.1)
     for budget, mixed in ((400_000, True), (10**9, False)):
