@@ -177,3 +177,24 @@ def test_the_walk_never_waits_for_the_device():
         dta.tree_logprobs(model, tree)
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("backend", ["cuda-flash", "flash-attn"])
+def test_forward_only_cousin_batches_agree_with_the_reference_kernels(backend):
+    """The forward-only walk packs cousins (each chunk over its own ancestor levels); on the device's flash kernels
+    in bf16 its log-probs agree with the same walk on the reference kernels in float32 (same weights)."""
+    if choose_backend(backend, CUDA, torch.bfloat16)[0] is None:
+        pytest.skip(f"{backend} is not available here")
+    rng = random.Random(8)
+    paths = [[rng.randrange(512) for _ in range(120)]]
+    for width in (3, 3, 2):
+        paths = [p + [j + 1] + [rng.randrange(512) for _ in range(rng.randint(10, 40))] for p in paths
+                 for j in range(width)]
+    tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=p) for p in paths] + grpo_rollouts(9))
+    got = torch.cat(dta.tree_logprobs(cuda_model(torch.bfloat16).eval(), tree, prefix_attention=True,
+                                      prefix_attention_backend=backend)).double()
+    want = torch.cat(dta.tree_logprobs(cuda_model(torch.float32).eval(), tree, prefix_attention=True,
+                                       prefix_attention_backend="reference")).double()
+    error = float((got - want).norm() / want.norm())
+    print(f"{torch.cuda.get_device_name()} bf16 {backend} cousin walk: log-prob relative error {error:.2e}")
+    assert error < 2e-2, error
