@@ -102,6 +102,7 @@ def test_toy_rl_reward_rises(sync_run):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_toy_rl_async_staleness_one_reaches_a_comparable_reward(sync_run, tmp_path):
     """Generation runs one step ahead of training: every step is trained at most 1 optimizer step after the
     weights that generated it, and decoupled PPO (prox log-probs recomputed on the current weights) learns as
@@ -121,6 +122,7 @@ def test_toy_rl_async_staleness_one_reaches_a_comparable_reward(sync_run, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_toy_rl_learns_with_gspo(tmp_path):
     """GSPO (sequence-level ratio, the paper's clip range 3e-4/4e-4, seq-mean-token-mean) on the same task and seed:
     the reward rises by the same margin. Measured 100 steps, seeds 0/1/2: +0.20, +0.16, +0.17."""
@@ -135,6 +137,7 @@ CRITIC = ("{model_type: llama, vocab_size: 16, hidden_size: 64, intermediate_siz
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_toy_rl_learns_with_ppo_a_critic_and_gae(tmp_path):
     """PPO with a learned baseline: a critic of the policy's shape (zero value head), GAE with gamma = lam = 1
     (advantage = reward - value), the critic trained in the same step. Measured 100 steps, seeds 0/1/2: +0.19,
