@@ -42,6 +42,11 @@ def main() -> None:
             if auto:
                 rows.append(("dfs auto (80 GB)", {"activation_bytes": None, "peak_bytes": auto["peak_bytes"],
                                                   "tflops": auto["tflops"]}))
+            if record["fits"] and record["fits"][0]["name"] not in ("dfs keep", "dfs auto"):
+                best = record["fits"][0]
+                rows.append((f"cheapest fit: {best['name']}", {"activation_bytes": None,
+                                                               "peak_bytes": best["peak_bytes"],
+                                                               "tflops": best["tflops"]}))
             for name, row in rows:
                 activations = "" if row["activation_bytes"] is None else f"{row['activation_bytes'] / 2**30:.1f} GiB"
                 fits = "yes" if row["peak_bytes"] <= usable else "no"

@@ -64,8 +64,12 @@ class DFSSchedule(TreeWalk):
     def _room_below(self) -> dict[TreeNode, int]:
         """Per node, the predicted bytes of the largest batch that can run while a chunk of it is kept: its later
         chunks, its children's sibling batches (leaves and inner chunks apart, each at most the batch cap) and,
-        recursively, theirs. A kept batch needs room for that much only, not for the tree's largest batch."""
+        recursively, theirs. A kept batch needs room for that much only, not for the tree's largest batch.
+        Padded batches (the model's own attention) keep the tree-wide reserve: each of their rows holds a copy of
+        the prefix's keys/values, which the prediction does not count and the reserve's slack covers."""
         budget, cap = self.budget, self.budget.reserve_tokens
+        if not self.packed:
+            return {node: budget.reserve for node in self.tree.nodes[1:]}
         room: dict[TreeNode, int] = {}
         for node in reversed(self.tree.nodes[1:]):  # children before parents (pre-order reversed)
             sizes = [min(node.length - cap, cap)] if node.length > cap else []

@@ -94,20 +94,26 @@ class CousinLogprobWalk(LogprobWalk):
         roots = [Chunk.first(child, chunk_size) for child in order_children(self.tree.root, order)]
         pending = PendingChunks(roots)
         while pending:
-            chunks = pending.take(self.engine.sibling_batch_tokens)
-            ancestry = [pending.ancestry(c) for c in chunks]
-            batch = CousinBatch([self.tree.tokens(c.node)[c.start - c.node.start:c.end - c.node.start]
-                                 for c in chunks], chunks)
-            levels = batch.levels(ancestry, pending.kv, self.info.device) if any(ancestry) else []
-            logits, new_kv = forward_cousins(self.model, self.info, batch, levels)
-            for chunk_logits, chunk in zip(logits, chunks):
-                self._record(chunk_logits, chunk)
+            self._forward_batch(pending, pending.take(self.engine.sibling_batch_tokens))
 
-            def kv_of(row: int, batch=batch, new_kv=new_kv):
-                a, n = batch.offsets[row], batch.lengths[row]
-                return [(k[:, :, a:a + n], v[:, :, a:a + n]) for k, v in new_kv]
+    def _forward_batch(self, pending: PendingChunks, chunks: list[Chunk]) -> None:
+        """One cousin batch: forward, record, and keep (copies of) the keys/values of the chunks with something
+        below them. A method, so that the batch's logits and full keys/values are freed before the next forward;
+        copies, so that a kept row does not hold its whole batch's keys/values alive."""
+        chunk_size, order = self.engine.chunk_size, self.engine.order
+        ancestry = [pending.ancestry(c) for c in chunks]
+        batch = CousinBatch([self.tree.tokens(c.node)[c.start - c.node.start:c.end - c.node.start] for c in chunks],
+                            chunks)
+        levels = batch.levels(ancestry, pending.kv, self.info.device) if any(ancestry) else []
+        logits, new_kv = forward_cousins(self.model, self.info, batch, levels)
+        for chunk_logits, chunk in zip(logits, chunks):
+            self._record(chunk_logits, chunk)
 
-            pending.finish(chunks, kv_of, lambda c: successors(c, chunk_size, order))
+        def kv_of(row: int):
+            a, n = batch.offsets[row], batch.lengths[row]
+            return [(k[:, :, a:a + n].clone(), v[:, :, a:a + n].clone()) for k, v in new_kv]
+
+        pending.finish(chunks, kv_of, lambda c: successors(c, chunk_size, order))
 
 
 def _walk(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions, values: bool) -> LogprobWalk:

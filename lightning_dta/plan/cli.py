@@ -22,7 +22,7 @@ from lightning_dta.bench.workloads import WORKLOADS
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step, standard_modes
 from lightning_dta.plan.rates import probe_rates
-from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_counts
+from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_count
 from lightning_dta.rollout import RolloutError, read_rollouts
 from lightning_dta.tree import PrefixTree
 
@@ -39,7 +39,10 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in UNITS:
         raise PlanError(f"--memory {text!r}: write a size such as 80GB, 80GiB or 512MiB")
-    return int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    value = float(match.group(1)) * UNITS[match.group(2).lower()]
+    if not 1 <= value < 2**63:
+        raise PlanError(f"--memory {text!r}: a size of at least one byte, such as 80GB")
+    return int(value)
 
 
 def gib(nbytes: float) -> str:
@@ -60,7 +63,10 @@ def load_config(model: str):
                         "config.json or a model directory with one")
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(path.parent))
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        raise PlanError(f"--model {model!r}: {path} is not a Hugging Face model config ({error})") from error
     config._attn_implementation = "sdpa"
     return config
 
@@ -97,6 +103,8 @@ def _rank_trees(args: argparse.Namespace, config) -> tuple[list[PrefixTree], str
         rollouts, what = read_rollouts(args.rollouts), args.rollouts
     else:
         rollouts, what = WORKLOADS[args.workload].generate(text.vocab_size, args.seed), f"workload {args.workload}"
+    if not rollouts:
+        raise PlanError(f"{what} holds no rollouts")
     if args.devices < 1:
         raise PlanError(f"--devices {args.devices}: use 1 or more")
     shares = partition(rollouts, args.devices) if args.devices > 1 else [list(range(len(rollouts)))]
@@ -123,20 +131,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except (PlanError, RolloutError) as error:
+    except (PlanError, RolloutError, OSError) as error:  # OSError: a rollout file that cannot be read
         print(f"lightning-dta plan: error: {error}", file=sys.stderr)
         return 2
 
 
 def _run(args: argparse.Namespace) -> int:
-    memory = parse_bytes(args.memory) if args.memory else None
+    memory = parse_bytes(args.memory) if args.memory is not None else None
     config = load_config(args.model)
     trees, what = _rank_trees(args, config)
-    parameters, largest = parameter_counts(config)
-    state = TrainingState(parameters, largest, args.precision, args.optimizer, args.strategy, args.devices)
+    parameters = parameter_count(config)
+    try:
+        state = TrainingState(parameters, args.precision, args.optimizer, args.strategy, args.devices)
+    except ValueError as error:
+        raise PlanError(str(error)) from error
     rates = probe_rates(config, PRECISIONS[args.precision][1])
-    engine = EngineOptions(sibling_batch_tokens=args.sibling_batch_tokens or None)
-    modes = standard_modes(engine, args.recompute_chunk)
+    try:
+        engine = EngineOptions(sibling_batch_tokens=args.sibling_batch_tokens or None)
+        modes = standard_modes(engine, args.recompute_chunk)
+    except ValueError as error:
+        raise PlanError(f"{error} (--sibling-batch-tokens, --recompute-chunk)") from error
     plans = [plan_step(tree, config, rates, state, modes) for tree in trees]
     worst = _worst(plans)
     logical = sum(t.stats.logical_tokens for t in trees)
@@ -145,8 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         record = {"model": args.model, "step": what, "ranks": len(trees), "parameters": parameters,
                   "state_bytes": {"weights": state.weights, "gradients": state.gradients,
-                                  "optimizer": state.optimizer_state, "gathered": state.gathered,
-                                  "autocast_copies": state.autocast_copies},
+                                  "optimizer": state.optimizer_state, "unsharded_walk": state.gathered},
                   "logical_tokens": logical, "tree_tokens": tree_tokens, "modes": worst,
                   "forward_only": {"bytes": max(p.forward_only.activations for p in plans),
                                    "tflops": max(p.forward_only.flops for p in plans) / 1e12,
@@ -162,8 +175,8 @@ def _run(args: argparse.Namespace) -> int:
           f"{tree_tokens:,} tree tokens (compression {logical / tree_tokens:.2f}), longest "
           f"{max(t.stats.max_depth_tokens for t in trees):,}")
     print(f"state per rank: weights {gib(state.weights)}, gradients {gib(state.gradients)}, optimizer "
-          f"{gib(state.optimizer_state)}" + (f", gathered layers {gib(state.gathered)}" if state.gathered else "")
-          + (f", autocast copies {gib(state.autocast_copies)}" if state.autocast_copies else "")
+          f"{gib(state.optimizer_state)}"
+          + (f", unsharded weights + float32 gradient during the walk {gib(state.gathered)}" if state.gathered else "")
           + f" = {gib(state.total)}")
     print("\nper rank, the largest over ranks (activations: saved for backward + dfs path buffers + "
           "checkpointing's recomputed layer + the head's working set)")

@@ -1,5 +1,12 @@
 """The memory of the training state per rank: weights, gradients and optimizer state, replicated (``dta``) or
-sharded over the data-parallel ranks (``dta_fsdp``, FSDP2), in Lightning's precision names."""
+sharded over the data-parallel ranks (``dta_fsdp``, FSDP2), in Lightning's precision names.
+
+Under ``dta_fsdp`` the DFS walk runs with every unit unsharded (a pop's backward starts from keys/values, which
+FSDP2 supports only unsharded) and defers the reduce-scatter to the end of the step (``docs/lightning.md``): during
+the walk a rank also holds the full weights in the compute dtype and the full gradient in float32 (the strategy's
+``reduce_dtype``). That, not the shards, is what a step's peak carries. Mixed precision under ``dta`` runs the model
+under autocast, which saves other tensors than the probe measures; the planner refuses it there.
+"""
 
 from __future__ import annotations
 
@@ -12,30 +19,25 @@ PRECISIONS = {  # precision -> (parameter/gradient/optimizer dtype, activation d
     "32-true": (torch.float32, torch.float32),
     "bf16-true": (torch.bfloat16, torch.bfloat16),
     "16-true": (torch.float16, torch.float16),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "16-mixed": (torch.float32, torch.float16),
+    "bf16-mixed": (torch.float32, torch.bfloat16),  # dta_fsdp only: FSDP2's MixedPrecisionPolicy, no autocast
 }
+UNSHARDED_GRADIENT_BYTES = 4  # dta_fsdp's reduce_dtype is float32
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}  # tensors per parameter
 
 
-def parameter_counts(config) -> tuple[int, int]:
-    """(all parameters, the largest decoder layer's) of a model built from ``config``, on the meta device (no
-    memory, no weights)."""
+def parameter_count(config) -> int:
+    """The parameters of a model built from ``config``, on the meta device (no memory, no weights)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    largest = max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0)
-    return total, largest
+    return sum(p.numel() for p in model.parameters())
 
 
 @dataclass(frozen=True)
 class TrainingState:
-    """Weights, gradients and optimizer state of one rank. Under ``dta_fsdp`` each is 1/``ranks`` of the whole,
-    plus two decoder layers gathered unsharded at a time (the one running and the one prefetched)."""
+    """Weights, gradients and optimizer state of one rank. Under ``dta_fsdp`` each is 1/``ranks`` of the whole, plus
+    the unsharded weights and float32 gradient of the walk (module docstring)."""
 
     parameters: int
-    largest_layer: int
     precision: str = "bf16-true"
     optimizer: str = "adamw"
     strategy: str = "dta"
@@ -48,6 +50,9 @@ class TrainingState:
             raise ValueError(f"optimizer {self.optimizer!r}; choose from {sorted(OPTIMIZER_STATES)}")
         if self.strategy not in ("dta", "dta_fsdp"):
             raise ValueError(f"strategy {self.strategy!r}; choose 'dta' or 'dta_fsdp'")
+        if self.precision.endswith("-mixed") and self.strategy == "dta":
+            raise ValueError(f"precision {self.precision!r} with strategy 'dta' runs the model under autocast, whose "
+                             "saved tensors the planner does not model; plan with bf16-true, or dta_fsdp")
 
     @property
     def _element(self) -> int:
@@ -71,17 +76,13 @@ class TrainingState:
 
     @property
     def gathered(self) -> float:
-        """FSDP2's unsharded layers during forward and backward (0 when replicated)."""
-        return 2 * self.largest_layer * self._element if self.strategy == "dta_fsdp" else 0.0
-
-    @property
-    def autocast_copies(self) -> float:
-        """Mixed precision: autocast's half-precision copies of the weights (all of them replicated, where autocast
-        caches them for the step; the gathered layers under FSDP2, whose unsharded weights it does not cache)."""
-        if not self.precision.endswith("-mixed"):
+        """dta_fsdp: the full weights (compute dtype) and the full float32 gradient held during the walk (0 when
+        replicated: the weights and gradients above are already full)."""
+        if self.strategy != "dta_fsdp":
             return 0.0
-        return 2.0 * (2 * self.largest_layer if self.strategy == "dta_fsdp" else self.parameters)
+        compute = torch.empty((), dtype=PRECISIONS[self.precision][1]).element_size()
+        return self.parameters * (compute + UNSHARDED_GRADIENT_BYTES)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer_state + self.gathered + self.autocast_copies
+        return self.weights + self.gradients + self.optimizer_state + self.gathered

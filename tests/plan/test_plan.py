@@ -67,7 +67,7 @@ def test_predicted_peak_of_saved_bytes_matches_the_engine(model_and_rates, workl
     modes["dfs-auto"] = ModeSpec(EngineOptions(activation="auto", activation_memory_budget=int(0.6 * keep)))
     modes["dfs-unbatched"] = ModeSpec(EngineOptions(sibling_batch_tokens=None))
     modes["dfs-chunked"] = ModeSpec(EngineOptions(chunk_size=48))
-    plan = plan_step(tree, model.config, rates, TrainingState(1, 1, precision=precision), modes)
+    plan = plan_step(tree, model.config, rates, TrainingState(1, precision=precision), modes)
     errors = {}
     for name, spec in modes.items():
         measured = saved_peak_bytes(model, tree, spec)
@@ -93,7 +93,7 @@ def test_flops_follow_the_definition() -> None:
                 for first, n in ((100, 10), (200, 20))]
     tree = PrefixTree.from_rollouts(rollouts)
     rates = probe_rates(config, torch.float32)
-    plan = plan_step(tree, config, rates, TrainingState(1, 1, precision="32-true"),
+    plan = plan_step(tree, config, rates, TrainingState(1, precision="32-true"),
                      standard_modes(EngineOptions(sibling_batch_tokens=None), recompute_chunk=64))
     # position p predicts token p+1: the prompt's last position is scored, responses' last positions are not
     vanilla = _flops_by_definition(shape, [(0, 50, 10), (0, 60, 20)])
@@ -115,7 +115,7 @@ def test_flops_agree_with_the_bench_flop_limit() -> None:
         first = r.loss_mask.index(1)
         r.loss_mask[first] = 0
     tree = PrefixTree.from_rollouts(rollouts)
-    plan = plan_step(tree, model.config, probe_rates(model.config, torch.float32), TrainingState(1, 1))
+    plan = plan_step(tree, model.config, probe_rates(model.config, torch.float32), TrainingState(1))
     c = model.config
     trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
     limit = flop_speedup_limit([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors],
@@ -130,7 +130,7 @@ def test_options_that_fit_do_fit_when_run() -> None:
     config = model.config
     tree = PrefixTree.from_rollouts(WORKLOADS["agent"].generate(VOCAB, 0))
     rates = probe_rates(config, torch.float32)
-    state = TrainingState(sum(p.numel() for p in model.parameters()), 0, precision="32-true")
+    state = TrainingState(sum(p.numel() for p in model.parameters()), precision="32-true")
     keep = plan_step(tree, config, rates, state).modes["dfs"]
     memory = (state.total + 0.6 * keep.activations) / (1 - HEADROOM)
     fits = fitting_options(tree, config, rates, state, memory)
@@ -144,14 +144,17 @@ def test_options_that_fit_do_fit_when_run() -> None:
 
 
 def test_state_memory_replicated_and_sharded() -> None:
-    replicated = TrainingState(1_000_000, 10_000, precision="bf16-true", optimizer="adamw")
+    replicated = TrainingState(1_000_000, precision="bf16-true", optimizer="adamw")
     assert (replicated.weights, replicated.gradients, replicated.optimizer_state) == (2e6, 2e6, 4e6)
-    assert replicated.total == 8e6
-    sharded = TrainingState(1_000_000, 10_000, precision="bf16-mixed", strategy="dta_fsdp", ranks=8)
-    # fp32 state over 8 ranks, two gathered layers, autocast copies of the gathered layers in bf16
-    assert sharded.total == pytest.approx(4 * 4e6 / 8 + 2 * 10_000 * 4 + 2 * 2 * 10_000)
+    assert replicated.total == 8e6 and replicated.gathered == 0
+    sharded = TrainingState(1_000_000, precision="bf16-mixed", strategy="dta_fsdp", ranks=8)
+    # fp32 weights, gradients and two AdamW states over 8 ranks; during the walk the full weights in bf16 and the
+    # full gradient in float32 (every unit unsharded, the reduce-scatter deferred to the end of the step)
+    assert sharded.total == pytest.approx(4 * 4e6 / 8 + 1_000_000 * (2 + 4))
     with pytest.raises(ValueError, match="precision"):
-        TrainingState(1, 1, precision="fp8")
+        TrainingState(1, precision="fp8")
+    with pytest.raises(ValueError, match="autocast"):
+        TrainingState(1, precision="bf16-mixed", strategy="dta")
 
 
 def test_parse_bytes() -> None:
@@ -187,6 +190,16 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys) -> None:
     assert "neither a preset" in capsys.readouterr().err
     assert main(["--memory", "lots"]) == 2
     assert "80GB" in capsys.readouterr().err
+    assert main(["--memory", "0"]) == 2 and "at least one byte" in capsys.readouterr().err
+    assert main(["--memory", "1e400GB"]) == 2 and "at least one byte" in capsys.readouterr().err
+    assert main(["--rollouts", str(tmp_path)]) == 2 and str(tmp_path) in capsys.readouterr().err
+    assert main(["--recompute-chunk", "0"]) == 2 and "--recompute-chunk" in capsys.readouterr().err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    assert main(["--model", str(tmp_path / "broken")]) == 2 and "not a Hugging Face" in capsys.readouterr().err
+    (tmp_path / "empty.jsonl").write_text("")
+    assert main(["--rollouts", str(tmp_path / "empty.jsonl")]) == 2 and "no rollouts" in capsys.readouterr().err
+    assert main(["--precision", "bf16-mixed"]) == 2 and "autocast" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": "oops"}\n')
     assert main(["--rollouts", str(bad)]) == 2
