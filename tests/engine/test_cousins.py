@@ -104,3 +104,30 @@ def test_cousin_attention_refuses_grad() -> None:
     walk = logprobs.CousinLogprobWalk(model, info, tree, dta.EngineOptions(), False)
     with torch.enable_grad(), pytest.raises(Exception, match="forward only"):
         walk.run()
+
+
+def test_kept_keys_values_are_copies_of_the_rows_below_which_something_is_pending(monkeypatch) -> None:
+    """A batch of many leaves and one inner chunk keeps only that chunk's keys/values, not the whole batch's
+    (views would hold every row's storage alive)."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(VOCAB) for _ in range(3)]
+    rollouts = [make_rollout(rng, prompt + [j] + [rng.randrange(VOCAB) for _ in range(30)]) for j in range(1, 9)]
+    rollouts += [make_rollout(rng, prompt + [0, 5, 6, 7] + more) for more in ([1, 2], [3, 4])]
+    model = make_model("llama")
+    held = []
+    finish = PendingChunks.finish
+
+    def checking(self, batch, kv_of, successors_of):
+        finish(self, batch, kv_of, successors_of)
+        stored = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                  for kv in self.kv.values() for pair in kv for t in pair}
+        held.append((sum(stored.values()), sum(c.length for c in self.kv)))
+
+    monkeypatch.setattr(PendingChunks, "finish", checking)
+    dta.tree_logprobs(model, dta.PrefixTree.from_rollouts(rollouts))
+    config = model.config
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size //
+                                                                           config.num_attention_heads) * 8  # float64
+    assert any(tokens for _, tokens in held)
+    for total, tokens in held:
+        assert total == tokens * per_token  # keys and values of every layer of the kept chunks, nothing more
