@@ -116,10 +116,15 @@ class CousinLogprobWalk(LogprobWalk):
         pending.finish(chunks, kv_of, lambda c: successors(c, chunk_size, order))
 
 
-def _walk(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions, values: bool) -> LogprobWalk:
-    """Cousins packed where prefix attention runs (and sibling batching is on); siblings only otherwise."""
+def _forward_only(model: nn.Module, tree: PrefixTree, engine: EngineOptions, values: bool) -> list[torch.Tensor]:
+    """Check the model and the tree, then walk: cousins packed where prefix attention runs (and sibling batching is
+    on), siblings only otherwise."""
+    info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention,
+                         prefix_attention_backend=engine.prefix_attention_backend)
+    check_tree_fits_model(tree, info.vocab_size, info.max_positions)
     packs_cousins = info.packs_siblings and engine.sibling_batch_tokens is not None
-    return (CousinLogprobWalk if packs_cousins else LogprobWalk)(model, info, tree, engine, values)
+    with torch.no_grad():
+        return (CousinLogprobWalk if packs_cousins else LogprobWalk)(model, info, tree, engine, values).logprobs()
 
 
 def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
@@ -130,12 +135,7 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
     ``chunk_size``, ``sibling_batch_tokens``, ``order`` and ``prefix_attention`` apply; the training-only options
     (``mode``, ``activation``, ...) are ignored.
     """
-    engine = EngineOptions.resolve(engine, **overrides)
-    info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention,
-                         prefix_attention_backend=engine.prefix_attention_backend)
-    check_tree_fits_model(tree, info.vocab_size, info.max_positions)
-    with torch.no_grad():
-        return _walk(model, info, tree, engine, False).logprobs()
+    return _forward_only(model, tree, EngineOptions.resolve(engine, **overrides), values=False)
 
 
 def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
@@ -143,9 +143,4 @@ def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | 
     """Forward only, for a critic (:func:`~lightning_dta.critic.value_model`): one 1-D tensor per rollout (input
     order); entry ``t-1`` is the value of token ``t``'s state (the head's output at position ``t - 1``), as
     ``tree_logprobs`` indexes log-probs and ``Rollout.old_values`` is read (entry ``t``, index 0 unused)."""
-    engine = EngineOptions.resolve(engine, **overrides)
-    info = inspect_model(critic, uses_cache=True, prefix_attention=engine.prefix_attention,
-                         prefix_attention_backend=engine.prefix_attention_backend)
-    check_tree_fits_model(tree, info.vocab_size, info.max_positions)
-    with torch.no_grad():
-        return _walk(critic, info, tree, engine, True).logprobs()
+    return _forward_only(critic, tree, EngineOptions.resolve(engine, **overrides), values=True)
