@@ -38,7 +38,7 @@ def main() -> None:
         keep = saved_peak_bytes(model, tree, modes["dfs"])
         modes["dfs-auto (half keep)"] = ModeSpec(EngineOptions(activation="auto",
                                                                activation_memory_budget=int(0.5 * keep)))
-        plan = plan_step(tree, model.config, rates, TrainingState(1, 1, precision=precision), modes)
+        plan = plan_step(tree, model.config, rates, TrainingState(1, precision=precision), modes)
         for mode, spec in modes.items():
             measured = saved_peak_bytes(model, tree, spec)
             predicted = plan.modes[mode].saved

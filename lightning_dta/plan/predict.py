@@ -27,7 +27,7 @@ from lightning_dta.engine.walk import Chunk, order_children
 from lightning_dta.losses import PolicyLoss
 from lightning_dta.plan.flops import ModelShape, WorkCount, causal_pairs
 from lightning_dta.plan.rates import ActivationRates
-from lightning_dta.plan.state import PRECISIONS, TrainingState
+from lightning_dta.plan.state import TrainingState
 from lightning_dta.tree import PrefixTree
 
 HEADROOM = 0.10  # of the accelerator's memory left to the allocator's fragmentation and the runtime's context
@@ -116,26 +116,23 @@ class PlannedWalk(DFSSchedule):
         self.release(plan)
 
 
-def head_working_set(positions: int, vocab: int, element: int) -> float:
+def head_working_set(positions: int, vocab: int, dtype: torch.dtype) -> float:
     """Logits [positions, vocab] and their gradient in the model's dtype, and one float32 block."""
-    return 2.0 * positions * vocab * element + 4.0 * min(positions * vocab, BLOCK_ELEMENTS)
+    return 2.0 * positions * vocab * dtype.itemsize + 4.0 * min(positions * vocab, BLOCK_ELEMENTS)
 
 
 def _dfs(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
-         shape: ModelShape, element: int, config) -> ModePrediction:
-    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
+         shape: ModelShape, dtype: torch.dtype, config) -> ModePrediction:
+    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, dtype)
     walk = PlannedWalk(tree, engine, step, rates, kv)
     walk.run()
     return ModePrediction(name, engine, saved=walk.peak, path_buffers=2.0 * kv, recomputed_layer=0.0,
-                          head_working_set=head_working_set(walk.largest_positions, shape.vocab, element),
+                          head_working_set=head_working_set(walk.largest_positions, shape.vocab, dtype),
                           flops=walk.work.training_flops(shape))
 
 
-PRECISIONS_ELEMENT = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
-
-
 def _vanilla(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
-             shape: ModelShape, element: int, checkpointing: bool) -> ModePrediction:
+             shape: ModelShape, dtype: torch.dtype, checkpointing: bool) -> ModePrediction:
     """Per-rollout training, as :mod:`~lightning_dta.engine.vanilla` runs it: the peak is the largest rollout's
     forward. (Padded micro-batches, ``vanilla_batch_tokens``, are not modelled: the attention's saved mask and
     layout copies depend on the kernel sdpa picks.)"""
@@ -167,7 +164,7 @@ def _vanilla(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData,
             work.recomputed_pairs += sum(causal_pairs(0, width) for _ in rows)
     return ModePrediction(name, engine, saved=peak, path_buffers=0.0,
                           recomputed_layer=largest_tokens * rates.token_per_layer if checkpointing else 0.0,
-                          head_working_set=head_working_set(int(largest_positions), shape.vocab, element),
+                          head_working_set=head_working_set(int(largest_positions), shape.vocab, dtype),
                           flops=work.training_flops(shape), checkpointing=checkpointing)
 
 
@@ -182,13 +179,13 @@ def _level_copies(ancestry: list[list[Chunk]]) -> int:
     return total
 
 
-def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, element: int, config
+def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, dtype: torch.dtype, config
                   ) -> tuple[ModePrediction, float]:
     """``tree_logprobs`` as :class:`~lightning_dta.engine.logprobs.CousinLogprobWalk` runs it (the same stack of
     pending chunks): every tree token once, the head at every position, no graph. Its memory: the keys/values of the
     ancestors of pending chunks, the batch's own and its ancestor levels' concatenations, and the batch's logits.
     Also returns the per-rollout forward's FLOPs."""
-    per_token = path_kv_bytes(config, 1, PRECISIONS_ELEMENT[element])
+    per_token = path_kv_bytes(config, 1, dtype)
     roots = [Chunk.first(child, engine.chunk_size) for child in order_children(tree.root, engine.order)]
     pending = PendingChunks(roots)
     work, peak = WorkCount(), 0.0
@@ -201,7 +198,7 @@ def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, el
         ancestry = [pending.ancestry(c) for c in batch]
         copies = _level_copies(ancestry)
         held = sum(c.length for c in pending.kv)
-        logits = tokens * shape.vocab * element + 4.0 * min(tokens * shape.vocab, BLOCK_ELEMENTS)
+        logits = tokens * shape.vocab * dtype.itemsize + 4.0 * min(tokens * shape.vocab, BLOCK_ELEMENTS)
         peak = max(peak, (held + tokens + copies) * per_token + logits)
         pending.finish(batch, lambda row: None, lambda c: successors(c, engine.chunk_size, engine.order))
     lengths = [len(t) for t in tree.token_tensors]
@@ -227,12 +224,12 @@ def predict_mode(name: str, spec: ModeSpec, tree: PrefixTree, config, rates: Act
                  state: TrainingState, step: StepData | None = None) -> ModePrediction:
     """One mode's prediction (dfs or vanilla, with or without activation checkpointing)."""
     shape = ModelShape.from_config(config)
-    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
+    dtype = state.activation_dtype
     step = step or StepData(tree, PolicyLoss())
     if spec.engine.mode == "dfs" and not spec.activation_checkpointing:
-        return _dfs(name, tree, spec.engine, step, rates, shape, element, config)
+        return _dfs(name, tree, spec.engine, step, rates, shape, dtype, config)
     if spec.engine.mode == "vanilla":
-        return _vanilla(name, tree, spec.engine, step, rates, shape, element, spec.activation_checkpointing)
+        return _vanilla(name, tree, spec.engine, step, rates, shape, dtype, spec.activation_checkpointing)
     raise ValueError(f"mode {name!r}: the planner predicts dfs (without transformers checkpointing) and vanilla "
                      f"(with or without it), not mode={spec.engine.mode!r}")
 
@@ -246,8 +243,7 @@ def plan_step(tree: PrefixTree, config, rates: ActivationRates, state: TrainingS
     predictions = {name: predict_mode(name, spec, tree, config, rates, state, step) for name, spec in modes.items()}
     walk_engine = next((s.engine for s in modes.values() if s.engine.mode == "dfs"), EngineOptions())
     shape = ModelShape.from_config(config)
-    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
-    forward_only, vanilla_forward = _forward_only(tree, walk_engine, shape, element, config)
+    forward_only, vanilla_forward = _forward_only(tree, walk_engine, shape, state.activation_dtype, config)
     return StepPlan(shape, state, predictions, forward_only, vanilla_forward, tree.stats)
 
 
@@ -267,12 +263,12 @@ def fitting_options(tree: PrefixTree, config, rates: ActivationRates, state: Tra
     loss_fn = loss_fn or PolicyLoss()
     usable = memory * (1 - HEADROOM)
     shape = ModelShape.from_config(config)
-    element = torch.empty((), dtype=PRECISIONS[state.precision][1]).element_size()
+    dtype = state.activation_dtype
     step = StepData(tree, loss_fn)
     base = dataclasses.replace(engine, mode="dfs", activation="keep", activation_memory_budget=None)
     candidates = {"dfs keep": base}
-    keep = _dfs("dfs keep", tree, base, step, rates, shape, element, config)
-    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, PRECISIONS_ELEMENT[element])
+    keep = _dfs("dfs keep", tree, base, step, rates, shape, dtype, config)
+    kv = path_kv_bytes(config, tree.stats.max_depth_tokens, dtype)
     # auto's budget counts the path's keys/values and the saved tensors; the gradients of the path buffers and the
     # head's working set come on top
     budget = int(usable - state.total - kv - keep.head_working_set)
@@ -284,7 +280,7 @@ def fitting_options(tree: PrefixTree, config, rates: ActivationRates, state: Tra
     fits = []
     for name, options in candidates.items():
         try:
-            prediction = keep if name == "dfs keep" else _dfs(name, tree, options, step, rates, shape, element,
+            prediction = keep if name == "dfs keep" else _dfs(name, tree, options, step, rates, shape, dtype,
                                                               config)
         except ValueError:  # a budget below what the path needs
             continue

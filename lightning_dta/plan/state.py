@@ -55,6 +55,11 @@ class TrainingState:
                              "saved tensors the planner does not model; plan with bf16-true, or dta_fsdp")
 
     @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype the model computes (and saves activations) in."""
+        return PRECISIONS[self.precision][1]
+
+    @property
     def _element(self) -> int:
         return torch.empty((), dtype=PRECISIONS[self.precision][0]).element_size()
 
@@ -80,8 +85,7 @@ class TrainingState:
         replicated: the weights and gradients above are already full)."""
         if self.strategy != "dta_fsdp":
             return 0.0
-        compute = torch.empty((), dtype=PRECISIONS[self.precision][1]).element_size()
-        return self.parameters * (compute + UNSHARDED_GRADIENT_BYTES)
+        return self.parameters * (self.activation_dtype.itemsize + UNSHARDED_GRADIENT_BYTES)
 
     @property
     def total(self) -> float:
