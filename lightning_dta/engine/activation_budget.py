@@ -130,10 +130,10 @@ class ActivationBudget:
         return int(MARGIN * (self.body_per_token * tokens + self.head_per_position * positions
                              + self.per_grid_entry * grid_entries))
 
-    def try_keep(self, predicted: int, room: int | None = None) -> bool:
+    def try_keep(self, predicted: int, room: int) -> bool:
         """Keep a batch of inner chunks (``predicted`` bytes) if the path, it and the largest batch that may run
-        while it is kept (``room``; default: one of ``reserve_tokens``) fit."""
-        if self.fixed + self.kept + predicted + (self.reserve if room is None else room) > self.budget:
+        while it is kept (``room`` bytes) fit."""
+        if self.fixed + self.kept + predicted + room > self.budget:
             return False
         self.kept += predicted
         return True
