@@ -2,7 +2,7 @@
 
 Part 1, the bench model and its agent workload, side by side in one process (median of --repeats, round-robin):
 keep, recompute, auto with a budget that holds the whole path (keep's measured peak x 1.5) and auto with half of
-keep's peak. Peaks are bytes saved for backward (:class:`~lightning_dta.memory.SavedTensorMeter`, one extra run
+keep's peak. Peaks are bytes saved for backward (:class:`~lightning_dta.engine.memory.SavedTensorMeter`, one extra run
 per mode), which is what the budget bounds.
 
 Part 2, each measurement in its own process: peak RSS of per-rollout training of one 3,072-token rollout against
@@ -23,9 +23,9 @@ import time
 import torch
 
 import lightning_dta as dta
-from lightning_dta.bench.model import build_model
-from lightning_dta.bench.workloads import AgentWorkload
-from lightning_dta.memory import SavedTensorMeter, peak_rss_bytes
+from lightning_dta.engine.memory import SavedTensorMeter, peak_rss_bytes
+from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.workloads import AgentWorkload
 
 
 def timed(model, tree, options: dict) -> float:

@@ -32,9 +32,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import lightning_dta as dta
-from lightning_dta.bench.model import build_model
-from lightning_dta.bench.workloads import AgentWorkload, GRPOWorkload
-from lightning_dta.sharding import fsdp_units, reduce_gradients, shard, state_bytes, unsharded
+from lightning_dta.distributed.sharding import fsdp_units, reduce_gradients, shard, state_bytes, unsharded
+from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.workloads import AgentWorkload, GRPOWorkload
 
 COUNTS = {"reduce_scatter": 0, "all_gather": 0}
 

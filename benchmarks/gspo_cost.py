@@ -18,8 +18,8 @@ import time
 import torch
 
 import lightning_dta as dta
-from lightning_dta.bench.model import build_model
-from lightning_dta.bench.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
+from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
 
 WORKLOADS = {"grpo": GRPOWorkload(), "agent": AgentWorkload(), "tree-search": TreeSearchWorkload()}
 LOSSES = {"ppo": dta.PolicyLoss(), "gspo": dta.PolicyLoss(loss_mode="gspo", clip_eps=3e-4, clip_eps_high=4e-4)}

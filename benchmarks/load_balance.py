@@ -25,9 +25,9 @@ import lightning as L
 import torch
 
 import lightning_dta as dta
-from lightning_dta.balance import CostModel, partition_contiguous, partition_report
-from lightning_dta.bench.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
-from lightning_dta.data import RolloutDataModule
+from lightning_dta.core.balance import CostModel, partition_contiguous, partition_report
+from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.shapes.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
 
 VOCAB = 256
 MODEL = dict(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

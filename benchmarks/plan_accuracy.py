@@ -1,7 +1,7 @@
 """The planner's predicted peak of saved bytes against the engine's, on the bench's default workloads and model.
 
 For each workload and mode, ``lightning-dta plan``'s prediction (:func:`lightning_dta.plan.plan_step`) beside the
-peak that :class:`~lightning_dta.memory.SavedTensorMeter` measures around the real ``tree_backward``. ``--qwen3``
+peak that :class:`~lightning_dta.engine.memory.SavedTensorMeter` measures around the real ``tree_backward``. ``--qwen3``
 uses a Qwen3 shape with grouped-query attention in bfloat16 instead of the bench's Llama in float32.
 
     python benchmarks/plan_accuracy.py [--qwen3]
@@ -13,13 +13,13 @@ import argparse
 
 import torch
 
-from lightning_dta.bench.model import build_model
 from lightning_dta.bench.runner import ModeSpec, saved_peak_bytes
-from lightning_dta.bench.workloads import WORKLOADS
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.plan import TrainingState, plan_step, probe_rates
 from lightning_dta.plan.predict import standard_modes
-from lightning_dta.tree import PrefixTree
+from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.workloads import WORKLOADS
 
 
 def main() -> None:

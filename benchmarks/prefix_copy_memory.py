@@ -24,9 +24,9 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from lightning_dta.engine.forward import forward_batch
+from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.sibling_batch import SiblingBatch
-from lightning_dta.memory import SavedTensorMeter
 
 QWEN3_8B = dict(num_hidden_layers=36, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
 

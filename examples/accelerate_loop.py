@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_dta as dta
 from lightning_dta.accelerate import accelerate_tree_backward
-from lightning_dta.data import make_step_batch
+from lightning_dta.lightning.data import make_step_batch
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 

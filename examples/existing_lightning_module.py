@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_dta as dta
-from lightning_dta.data import RolloutDataModule
+from lightning_dta.lightning.data import RolloutDataModule
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 

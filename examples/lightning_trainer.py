@@ -18,7 +18,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 
 import lightning_dta as dta
-from lightning_dta.data import RolloutDataModule
+from lightning_dta.lightning.data import RolloutDataModule
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 

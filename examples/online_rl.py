@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import lightning_dta as dta
-from lightning_dta.module import build_causal_lm
+from lightning_dta.lightning.module import build_causal_lm
 from lightning_dta.rl import HFGenerator, OnlineRolloutSource, ReverseDigits, sft_warm_start
 
 TINY_LLAMA = {"model_type": "llama", "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_dta as dta
-from lightning_dta.advantages import estimate_advantages
+from lightning_dta.core.advantages import estimate_advantages
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
 

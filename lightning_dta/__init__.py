@@ -1,6 +1,15 @@
 """lightning_dta: exact depth-first prefix-tree training for RL post-training of LLMs."""
 
-from lightning_dta.critic import value_model
+from lightning_dta.core.losses import PolicyLoss, ValueLoss
+from lightning_dta.core.rollout import (
+    Rollout,
+    RolloutError,
+    RolloutFaults,
+    read_rollouts,
+    validate_rollouts,
+    write_rollouts,
+)
+from lightning_dta.core.tree import PrefixTree, TreeNode, TreeStats
 from lightning_dta.engine import (
     EngineOptions,
     ModelNotSupportedError,
@@ -10,16 +19,7 @@ from lightning_dta.engine import (
     tree_loss_normalizer,
     tree_values,
 )
-from lightning_dta.losses import PolicyLoss, ValueLoss
-from lightning_dta.rollout import (
-    Rollout,
-    RolloutError,
-    RolloutFaults,
-    read_rollouts,
-    validate_rollouts,
-    write_rollouts,
-)
-from lightning_dta.tree import PrefixTree, TreeNode, TreeStats
+from lightning_dta.models import value_model
 
 __version__ = "0.1.0"
 
@@ -28,12 +28,12 @@ __version__ = "0.1.0"
 # `register_strategies`).
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_dta import quiet  # noqa: E402
-from lightning_dta.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402
-from lightning_dta.fsdp_strategy import DTAFSDPStrategy  # noqa: E402
-from lightning_dta.module import DTAModule  # noqa: E402
-from lightning_dta.step import DFSStepMixin, StepOutput, dfs_training_step, tree_step_backward  # noqa: E402
-from lightning_dta.strategy import DTAStrategy  # noqa: E402
+from lightning_dta.lightning import quiet  # noqa: E402
+from lightning_dta.lightning.callbacks import PeakMemoryMonitor, TreeThroughputMonitor  # noqa: E402
+from lightning_dta.lightning.fsdp_strategy import DTAFSDPStrategy  # noqa: E402
+from lightning_dta.lightning.module import DTAModule  # noqa: E402
+from lightning_dta.lightning.step import DFSStepMixin, StepOutput, dfs_training_step, tree_step_backward  # noqa: E402
+from lightning_dta.lightning.strategy import DTAStrategy  # noqa: E402
 
 quiet.install()
 DTAStrategy.register_strategies(StrategyRegistry)

@@ -17,7 +17,8 @@ as :class:`~lightning_dta.DTAStrategy` does in Lightning. The loop keeps its usu
 One call is one whole optimizer step: do not wrap it in ``accelerator.accumulate`` (that would skip the
 optimizer step while the gradients are already summed). Supported: a single process, DDP on CPU (gloo) and GPU
 (NCCL), and FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): the sharded model runs the DFS step of
-:mod:`lightning_dta.sharding` (one all-gather per unit, no collective during the walk, one reduce-scatter per
+:mod:`lightning_dta.distributed.sharding` (one all-gather per unit, no collective during the walk, one
+reduce-scatter per
 unit, summed). FSDP1 and DeepSpeed ZeRO keep partial gradients the step cannot sum and are refused, as is fp16
 loss scaling, which ``accelerator.backward`` applies and a DFS step does not call.
 """
@@ -28,11 +29,11 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.sharding import is_sharded, sum_over_ranks
 from lightning_dta.engine import EngineOptions
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.sharding import is_sharded, sum_over_ranks
-from lightning_dta.step import StepOutput, gradient_norm, tree_step_backward
-from lightning_dta.tree import PrefixTree
+from lightning_dta.lightning.step import StepOutput, gradient_norm, tree_step_backward
 
 if TYPE_CHECKING:
     from accelerate import Accelerator

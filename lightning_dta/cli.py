@@ -1,13 +1,13 @@
 """The ``lightning-dta`` command: ``fit`` (and the other Lightning subcommands) through LightningCLI.
 
 ``lightning-dta fit --config configs/tiny_cpu.yaml`` trains a :class:`~lightning_dta.DTAModule` on a
-:class:`~lightning_dta.data.RolloutDataModule`; every ``--model.*``, ``--data.*`` and ``--trainer.*`` option can be
+:class:`~lightning_dta.lightning.data.RolloutDataModule`; every ``--model.*``, ``--data.*`` and ``--trainer.*`` option can be
 overridden on the command line, as with any LightningCLI. ``lightning-dta bench ...`` is handed to
 ``lightning_dta.bench.cli.main(argv)`` when that module is installed, so the benchmark harness can add its own
 subcommand without this file knowing its options.
 
 The default strategy is ``"dta"``: Lightning's ``"auto"`` would pick DDP for ``devices>1``, whose wrapper does
-not fit a step with one backward per tree node (see :mod:`lightning_dta.strategy`). The multi-process launcher
+not fit a step with one backward per tree node (see :mod:`lightning_dta.lightning.strategy`). The multi-process launcher
 re-runs this same command once per rank, so it works from the shell as ``"ddp"`` does.
 """
 
@@ -24,16 +24,16 @@ from lightning.pytorch.cli import LightningCLI
 from typing_extensions import override
 
 import lightning_dta  # noqa: F401  (registers the "dta" strategy before the Trainer is built)
-from lightning_dta.callbacks import StepProgressBar
-from lightning_dta.module import DTAModule
-from lightning_dta.rollout import RolloutError
+from lightning_dta.core.rollout import RolloutError
+from lightning_dta.lightning.callbacks import StepProgressBar
+from lightning_dta.lightning.module import DTAModule
 
 BENCH_MODULE = "lightning_dta.bench.cli"
 
 
 class DTACLI(LightningCLI):
     """LightningCLI with the subcommand that trains (``fit``; DTAModule has no validation or prediction step) and
-    the step progress bar (:class:`~lightning_dta.callbacks.StepProgressBar`) unless the run disables the bar or
+    the step progress bar (:class:`~lightning_dta.lightning.callbacks.StepProgressBar`) unless the run disables the bar or
     brings its own."""
 
     @staticmethod
@@ -67,7 +67,7 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
     """
     from jsonargparse import set_parsing_settings
 
-    from lightning_dta.data import RolloutDataModule
+    from lightning_dta.lightning.data import RolloutDataModule
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)  # dataclass field docstrings become --help
     return DTACLI(
@@ -98,8 +98,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(USAGE, end="")
         sys.exit(0 if args else 2)
     if args and args[0] == "export":
-        from lightning_dta.export import ExportError
-        from lightning_dta.export import main as export_main
+        from lightning_dta.distributed.export import ExportError
+        from lightning_dta.distributed.export import main as export_main
 
         try:
             sys.exit(export_main(args[1:]))

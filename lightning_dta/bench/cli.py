@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from lightning_dta.bench import report
-from lightning_dta.bench.model import ARCHITECTURES, PRESETS, build_model
 from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, ModeSpec, run_bench, training_modes
-from lightning_dta.bench.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 from lightning_dta.engine import EngineOptions
 from lightning_dta.engine.options import choices
+from lightning_dta.shapes.models import ARCHITECTURES, PRESETS, build_model
+from lightning_dta.shapes.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

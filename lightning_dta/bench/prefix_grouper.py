@@ -26,12 +26,12 @@ import torch
 from torch import nn
 from transformers import AttentionInterface
 
+from lightning_dta.core.losses import PolicyLoss, empty_sums
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import score
 from lightning_dta.engine.model_info import inspect_model, loss_dtype
 from lightning_dta.engine.prefix_attention import attention_configs
 from lightning_dta.engine.step_data import StepData
-from lightning_dta.losses import PolicyLoss, empty_sums
-from lightning_dta.tree import PrefixTree
 
 ATTENTION_NAME = "lightning_dta_bench_prefix_grouper"
 # attention(q, k, v [b, heads, len, dim], padding_mask [b, keys] (True: a token), scale) -> [b, len, heads, dim]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from lightning_dta.bench.runner import BASELINE, BenchResults, ModeResult
-from lightning_dta.tree import TreeStats
+from lightning_dta.core.tree import TreeStats
 
 
 def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[int], head_tokens: int | None,

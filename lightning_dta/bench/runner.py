@@ -18,13 +18,13 @@ from typing import Literal
 import torch
 from torch import nn
 
-from lightning_dta.bench.workloads import GRPOWorkload, LongSequenceWorkload
-from lightning_dta.distributed import synchronize
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.engine.activation_budget import path_kv_bytes
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from lightning_dta.tree import PrefixTree
+from lightning_dta.engine.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from lightning_dta.shapes.workloads import GRPOWorkload, LongSequenceWorkload
 
 BASELINE = "vanilla"
 

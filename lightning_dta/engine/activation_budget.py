@@ -11,7 +11,7 @@ runs out; leaves never need recompute.
 
 The prediction is linear: ``body bytes per computed token x tokens + head bytes per scored position x
 positions``, the two rates measured once per model and dtype by a probe forward (a 64-token sequence, saved
-tensors counted by :class:`~lightning_dta.memory.SavedTensorMeter`), with a 25% margin.
+tensors counted by :class:`~lightning_dta.engine.memory.SavedTensorMeter`), with a 25% margin.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dta.core.losses import TokenData, empty_sums
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import forward_batch, loss_inputs
+from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.sibling_batch import SiblingBatch
-from lightning_dta.losses import TokenData, empty_sums
-from lightning_dta.memory import SavedTensorMeter
-from lightning_dta.rollout import Rollout
-from lightning_dta.tree import PrefixTree
 
 PROBE_TOKENS = 64
 MARGIN = 1.1

@@ -8,6 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss, empty_sums, metrics_from_sums
+from lightning_dta.core.tree import PrefixTree, TreeStats
 from lightning_dta.engine.device import host_values
 from lightning_dta.engine.dfs import DFSWalk
 from lightning_dta.engine.errors import ModelNotSupportedError
@@ -17,8 +19,6 @@ from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import StepData, check_tree_fits_model, warn_if_nothing_to_learn
 from lightning_dta.engine.vanilla import vanilla_backward
-from lightning_dta.losses import PolicyLoss, empty_sums, metrics_from_sums
-from lightning_dta.tree import PrefixTree, TreeStats
 
 
 @dataclass

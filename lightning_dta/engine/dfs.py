@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree, TreeNode
 from lightning_dta.engine.activation_budget import ActivationBudget, measure_rates, path_kv_bytes
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
@@ -28,8 +30,6 @@ from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import ChunkTargets, StepData
 from lightning_dta.engine.walk import Chunk, TreeWalk
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.tree import PrefixTree, TreeNode
 
 
 @dataclass

@@ -12,11 +12,11 @@ import math
 import torch
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss, empty_sums
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.logprobs import tree_logprobs
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import StepData
-from lightning_dta.losses import PolicyLoss, empty_sums
-from lightning_dta.tree import PrefixTree
 
 
 def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss,

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from lightning_dta.core.losses import PolicyLoss, ValueLoss
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
@@ -24,7 +25,6 @@ from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.prefix_attention import attention_switch
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.token_scores import token_scores
-from lightning_dta.losses import PolicyLoss, ValueLoss
 
 
 class RecordingCache(DynamicCache):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.cousins import CousinBatch, PendingChunks, successors
 from lightning_dta.engine.device import expected_sync, to_device
 from lightning_dta.engine.forward import forward_batch, forward_cousins
@@ -24,12 +25,11 @@ from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import StepData, check_tree_fits_model
 from lightning_dta.engine.token_scores import token_scores
 from lightning_dta.engine.walk import Chunk, TreeWalk, order_children
-from lightning_dta.tree import PrefixTree
 
 
 class LogprobWalk(TreeWalk):
     """Records the log-prob of every token (``values=False``) or the value head's output at the position before it
-    (``values=True``: a critic built by :func:`~lightning_dta.critic.value_model`)."""
+    (``values=True``: a critic built by :func:`~lightning_dta.models.value_model`)."""
 
     with_grads = False
 
@@ -140,7 +140,7 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
 
 def tree_values(critic: nn.Module, tree: PrefixTree, *, engine: EngineOptions | Mapping[str, Any] | None = None,
                 **overrides: Any) -> list[torch.Tensor]:
-    """Forward only, for a critic (:func:`~lightning_dta.critic.value_model`): one 1-D tensor per rollout (input
+    """Forward only, for a critic (:func:`~lightning_dta.models.value_model`): one 1-D tensor per rollout (input
     order); entry ``t-1`` is the value of token ``t``'s state (the head's output at position ``t - 1``), as
     ``tree_logprobs`` indexes log-probs and ``Rollout.old_values`` is read (entry ``t``, index 0 unused)."""
     return _forward_only(critic, tree, EngineOptions.resolve(engine, **overrides), values=True)

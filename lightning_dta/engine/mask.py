@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree, common_prefix_length
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.step_data import StepData
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.tree import PrefixTree, common_prefix_length
 
 
 def rollout_packs(tree: PrefixTree, max_tokens: int | None) -> list[list[int]]:

@@ -11,10 +11,10 @@ import itertools
 
 import torch
 
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.prefix_attention import Spans
 from lightning_dta.engine.walk import Chunk
-from lightning_dta.tree import PrefixTree
 
 
 class SiblingBatch:

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_dta.core.losses import PolicyLoss, TokenData, ValueLoss
+from lightning_dta.core.rollout import RolloutError
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.device import to_device
-from lightning_dta.losses import PolicyLoss, TokenData, ValueLoss
-from lightning_dta.rollout import RolloutError
-from lightning_dta.tree import PrefixTree
 
 _NAN = float("nan")
 
@@ -48,7 +48,7 @@ def warn_if_nothing_to_learn(step: StepData, loss_fn: PolicyLoss | ValueLoss) ->
         return
     if trained.any() and not step.advantages[trained].any():
         warnings.warn("every trained token of this step has advantage 0, so the loss and its gradient are 0. Fix: "
-                      "estimate advantages first (lightning_dta.advantages.grpo_advantages(rollouts), or "
+                      "estimate advantages first (lightning_dta.core.advantages.grpo_advantages(rollouts), or "
                       "RolloutDataModule(advantage_estimator='grpo'))", UserWarning, stacklevel=3)
 
 

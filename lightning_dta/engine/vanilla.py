@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.sibling_batch import row_logits
 from lightning_dta.engine.step_data import StepData
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.tree import PrefixTree
 
 
 def micro_batches(lengths: list[int], batch_tokens: int | None) -> list[list[int]]:

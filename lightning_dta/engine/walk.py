@@ -2,7 +2,8 @@
 
 The vocabulary of the engine:
 
-- a **node** (:class:`~lightning_dta.tree.TreeNode`) holds the positions ``start .. end-1`` that its rollouts share;
+- a **node** (:class:`~lightning_dta.core.tree.TreeNode`) holds the positions ``start .. end-1`` that its rollouts
+  share;
 - a **chunk** (:class:`Chunk`) is the engine's unit of work: positions ``start .. end-1`` of one node, forwarded
   in one call. A node is one chunk, or with ``chunk_size`` a chain of chunks walked front to back and popped
   back to front;
@@ -19,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_dta.core.tree import PrefixTree, TreeNode
 from lightning_dta.engine.kv import PathKV
 from lightning_dta.engine.options import EngineOptions
-from lightning_dta.tree import PrefixTree, TreeNode
 
 MAX_PADDING = 0.15  # a padded batch stops growing once padding would exceed this fraction of its computed tokens
 

@@ -16,15 +16,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_dta.balance import partition
-from lightning_dta.bench.model import PRESETS, model_config
-from lightning_dta.bench.workloads import WORKLOADS
+from lightning_dta.core.balance import partition
+from lightning_dta.core.rollout import RolloutError, read_rollouts
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step, standard_modes
 from lightning_dta.plan.rates import probe_rates
 from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_count
-from lightning_dta.rollout import RolloutError, read_rollouts
-from lightning_dta.tree import PrefixTree
+from lightning_dta.shapes.models import PRESETS, model_config
+from lightning_dta.shapes.workloads import WORKLOADS
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
          "gib": 2**30, "tib": 2**40}

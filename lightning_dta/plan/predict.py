@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_dta.bench.runner import ModeSpec
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.activation_budget import ActivationBudget, path_kv_bytes
 from lightning_dta.engine.cousins import PendingChunks, successors
 from lightning_dta.engine.dfs import DFSSchedule
@@ -24,11 +26,9 @@ from lightning_dta.engine.step_data import StepData
 from lightning_dta.engine.token_scores import BLOCK_ELEMENTS
 from lightning_dta.engine.vanilla import micro_batches
 from lightning_dta.engine.walk import Chunk, order_children
-from lightning_dta.losses import PolicyLoss
 from lightning_dta.plan.flops import ModelShape, WorkCount, causal_pairs
 from lightning_dta.plan.rates import ActivationRates
 from lightning_dta.plan.state import TrainingState
-from lightning_dta.tree import PrefixTree
 
 HEADROOM = 0.10  # of the accelerator's memory left to the allocator's fragmentation and the runtime's context
 RECOMPUTE_CHUNKS = (4096, 2048, 1024, 512, 256)  # chunk sizes tried for dfs recompute, largest (fewest calls) first

@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.activation_budget import PROBE_TOKENS, measure_rates
 from lightning_dta.engine.forward import forward_batch
+from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.walk import Chunk
-from lightning_dta.losses import PolicyLoss
-from lightning_dta.memory import SavedTensorMeter
-from lightning_dta.rollout import Rollout
-from lightning_dta.tree import PrefixTree
 
 PROBE_VOCAB = 256
 

@@ -25,12 +25,12 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_dta.batch import StepBatch
-from lightning_dta.distributed import all_gather_floats, broadcast_module
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.distributed.collectives import all_gather_floats, broadcast_module
+from lightning_dta.distributed.sharding import is_sharded
 from lightning_dta.rl.plot import save_reward_plot
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.warmup import WarmStartResult, sft_warm_start
-from lightning_dta.sharding import is_sharded
 
 
 class OnlineRLCallback(Callback):

@@ -23,8 +23,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lightning_dta.core.rollout import Rollout
 from lightning_dta.rl.generation import Completion, Generator, derive_seed
-from lightning_dta.rollout import Rollout
 
 Observation = str | list[int]
 

@@ -31,7 +31,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from lightning_dta.sharding import copy_weights, is_sharded, unsharded_copy
+from lightning_dta.distributed.sharding import copy_weights, is_sharded, unsharded_copy
 
 
 @dataclass

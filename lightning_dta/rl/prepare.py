@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_dta.advantages import estimate_advantages
+from lightning_dta.core.advantages import estimate_advantages
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions, tree_logprobs
 from lightning_dta.rl.environment import Episode
-from lightning_dta.rollout import Rollout
-from lightning_dta.tree import PrefixTree
 
 
 @dataclass

@@ -44,9 +44,9 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dta.distributed import rank
+from lightning_dta.distributed.collectives import rank
+from lightning_dta.distributed.sharding import export_hf_checkpoint
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
-from lightning_dta.sharding import export_hf_checkpoint
 
 WeightSync = Callable[[nn.Module, int], None]
 

@@ -1,6 +1,7 @@
 """The online rollout source: generate with the current policy, score, estimate advantages, hand steps to training.
 
-``OnlineRolloutSource`` plugs into :class:`~lightning_dta.data.RolloutDataModule` as its ``source``: calling it
+``OnlineRolloutSource`` plugs into :class:`~lightning_dta.lightning.data.RolloutDataModule` as its ``source``: calling
+it
 starts an epoch, an iterator of steps, each the whole step's list of :class:`~lightning_dta.Rollout`. A step is
 ``prompts_per_step`` prompts x ``samples_per_prompt`` episodes; every LLM call of every episode is one rollout
 (:mod:`lightning_dta.rl.environment`).
@@ -50,17 +51,17 @@ from typing import Any, Literal
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.advantages import check_advantage_estimator
-from lightning_dta.batch import StepBatch
-from lightning_dta.distributed import all_gather_objects, broadcast_object, rank, world_size
+from lightning_dta.core.advantages import check_advantage_estimator
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank, world_size
+from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.engine import EngineOptions
 from lightning_dta.rl.environment import Environment, run_episodes
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
-from lightning_dta.rollout import Rollout
-from lightning_dta.sharding import is_sharded, sharded_copy, unsharded
-from lightning_dta.tree import PrefixTree
 
 RolloutMode = Literal["sync", "async"]
 Placement = Literal["colocated", "disaggregated"]

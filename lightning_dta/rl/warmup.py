@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.distributed import world_size
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import world_size
+from lightning_dta.distributed.sharding import is_sharded, reduce_gradients, unsharded
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs, tree_loss_normalizer
-from lightning_dta.losses import PolicyLoss
 from lightning_dta.rl.environment import Environment, encode_observation
-from lightning_dta.rollout import Rollout
-from lightning_dta.sharding import is_sharded, reduce_gradients, unsharded
-from lightning_dta.tree import PrefixTree
 
 # Demonstrations are prompts DEMONSTRATION_OFFSET + k (training) and DEMONSTRATION_OFFSET - 1 - k (the NLL
 # measurement), far from the RL prompts 0, 1, 2, ...

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dta import Rollout, RolloutError
-from lightning_dta.advantages import (
+from lightning_dta.core.advantages import (
     ADVANTAGE_ESTIMATORS,
     estimate_advantages,
     grpo_advantages,

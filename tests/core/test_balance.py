@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dta import PrefixTree, Rollout
-from lightning_dta.balance import (
+from lightning_dta.core.balance import (
     CostCalibrator,
     CostModel,
     attention_pairs,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_dta as dta
-from lightning_dta.advantages import gae_advantages
+from lightning_dta.core.advantages import gae_advantages
 from tests.helpers.models import OBJECTIVE_CONFIGS, make_model, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, reference_value_loss
 

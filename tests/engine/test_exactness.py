@@ -246,7 +246,7 @@ def test_auto_keeps_what_fits_and_recomputes_the_rest(llama64, monkeypatch):
     """With a tight budget the walk both keeps and recomputes inner batches, stays exact, and the measured bytes
     saved for backward stay under the budget; with a large one it keeps everything."""
     from lightning_dta.engine.activation_budget import ActivationBudget
-    from lightning_dta.memory import SavedTensorMeter
+    from lightning_dta.engine.memory import SavedTensorMeter
 
     decisions = []
     try_keep = ActivationBudget.try_keep

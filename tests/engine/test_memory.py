@@ -7,7 +7,7 @@ import random
 import pytest
 
 import lightning_dta as dta
-from lightning_dta.memory import SavedTensorMeter
+from lightning_dta.engine.memory import SavedTensorMeter
 from tests.helpers.models import make_model
 
 

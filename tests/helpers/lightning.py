@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_dta as dta
-from lightning_dta.batch import StepBatch
+from lightning_dta.core.batch import StepBatch
 
 VOCAB = 128
 TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

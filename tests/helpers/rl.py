@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch import Callback
 from torch import nn
 
-from lightning_dta.distributed import rank
-from lightning_dta.module import build_causal_lm
+from lightning_dta.distributed.collectives import rank
+from lightning_dta.lightning.module import build_causal_lm
 from lightning_dta.rl import ReverseDigits
 from lightning_dta.rl.generation import Completion, Generator
 

@@ -21,8 +21,8 @@ import lightning as L
 import torch
 
 import lightning_dta as dta
-from lightning_dta.data import RolloutDataModule
-from lightning_dta.sharding import export_hf_checkpoint, full_parameters, state_bytes, unsharded
+from lightning_dta.distributed.sharding import export_hf_checkpoint, full_parameters, state_bytes, unsharded
+from lightning_dta.lightning.data import RolloutDataModule
 from tests.helpers.lightning import TINY_LLAMA, grpo_rollouts
 
 CLIP = 0.2

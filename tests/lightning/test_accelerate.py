@@ -108,7 +108,7 @@ def _fsdp2_worker(rank: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_dta.sharding import full_parameters
+    from lightning_dta.distributed.sharding import full_parameters
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.set_num_threads(1)

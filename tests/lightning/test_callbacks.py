@@ -52,7 +52,7 @@ def test_peak_rss_is_reset_per_step() -> None:
     """In a fresh process: in a test worker that ran other tests first, a freed 64 MiB block may come back from
     the heap's free space instead of new pages, and then neither raises nor lowers the resident set."""
     code = ("import torch\n"
-            "from lightning_dta.memory import peak_rss_bytes, reset_peak_rss\n"
+            "from lightning_dta.engine.memory import peak_rss_bytes, reset_peak_rss\n"
             "block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched\n"
             "high = peak_rss_bytes()\n"
             "del block\n"

@@ -15,8 +15,8 @@ import yaml
 
 import lightning_dta as dta
 from lightning_dta import cli
-from lightning_dta.data import make_step_batch
-from lightning_dta.rollout import read_rollouts
+from lightning_dta.core.rollout import read_rollouts
+from lightning_dta.lightning.data import make_step_batch
 from tests import helpers
 from tests.helpers.lightning import clean_env
 
@@ -145,7 +145,7 @@ def test_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
     assert exit_info.value.code in (0, None)
     printed = capsys.readouterr().out
     assert ("strategy: dta" in printed or "lightning_dta.DTAFSDPStrategy" in printed) \
-        and "lightning_dta.callbacks.TreeThroughputMonitor" in printed
+        and "lightning_dta.TreeThroughputMonitor" in printed
 
 
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=[c.stem for c in GPU_CONFIGS])

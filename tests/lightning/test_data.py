@@ -10,9 +10,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_dta import PrefixTree, Rollout, RolloutError, read_rollouts, write_rollouts
-from lightning_dta.advantages import grpo_advantages
-from lightning_dta.batch import StepBatch
-from lightning_dta.data import RolloutDataModule, make_step_batch
+from lightning_dta.core.advantages import grpo_advantages
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.lightning.data import RolloutDataModule, make_step_batch
 from tests import helpers
 
 REPO = helpers.REPO

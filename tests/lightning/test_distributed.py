@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_dta.distributed import all_gather_floats, all_reduce_sum, broadcast_module, sum_gradients
+from lightning_dta.distributed.collectives import all_gather_floats, all_reduce_sum, broadcast_module, sum_gradients
 from tests import helpers
 from tests.helpers.lightning import clean_env
 

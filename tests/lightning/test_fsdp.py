@@ -112,7 +112,7 @@ def test_export_of_a_replicated_checkpoint_and_its_errors(tmp_path: Path) -> Non
     (trained,) = train(tmp_path, "dta", 1, "keep", 1, "--save", str(tmp_path / "one.ckpt"))
     from transformers import AutoModelForCausalLM
 
-    from lightning_dta.export import ExportError, export_checkpoint
+    from lightning_dta.distributed.export import ExportError, export_checkpoint
 
     export_checkpoint(tmp_path / "one.ckpt", tmp_path / "hf")
     with torch.no_grad():
@@ -146,7 +146,7 @@ def test_registered_and_refusals(tmp_path: Path) -> None:
     from lightning.pytorch.strategies import StrategyRegistry
 
     import lightning_dta as dta
-    from lightning_dta.sharding import ShardingError, decoder_layers
+    from lightning_dta.distributed.sharding import ShardingError, decoder_layers
 
     assert StrategyRegistry["dta_fsdp"]["strategy"] is dta.DTAFSDPStrategy
     with pytest.raises(ShardingError, match="wrap_modules"):

@@ -16,8 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import LlamaForCausalLM
 
 import lightning_dta as dta
-from lightning_dta.data import RolloutDataModule
-from lightning_dta.module import build_causal_lm
+from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.lightning.module import build_causal_lm
 from tests import helpers
 from tests.helpers.lightning import TINY_LLAMA, StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
 from tests.helpers.reference import reference_value_loss

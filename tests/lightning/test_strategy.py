@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dta as dta
-from lightning_dta.step import _check_trainer, batch_tree, step_normalizer
+from lightning_dta.lightning.step import _check_trainer, batch_tree, step_normalizer
 from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 

@@ -15,19 +15,19 @@ import shlex
 import pytest
 import torch
 
-from lightning_dta.bench.model import build_model
 from lightning_dta.bench.report import flop_speedup_limit
 from lightning_dta.bench.runner import ModeSpec, path_buffer_bytes, saved_peak_bytes
-from lightning_dta.bench.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
+from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.core.rollout import Rollout, write_rollouts
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.engine.activation_budget import measure_rates
 from lightning_dta.engine.model_info import inspect_model
-from lightning_dta.losses import PolicyLoss
 from lightning_dta.plan import ModelShape, TrainingState, plan_step, probe_rates
 from lightning_dta.plan.cli import main, parse_bytes
 from lightning_dta.plan.predict import HEADROOM, fitting_options, standard_modes
-from lightning_dta.rollout import Rollout, write_rollouts
-from lightning_dta.tree import PrefixTree
+from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
 
 VOCAB = 512
 WORKLOADS = {

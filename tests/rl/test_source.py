@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import lightning_dta as dta
-from lightning_dta.data import RolloutDataModule
+from lightning_dta.lightning.data import RolloutDataModule
 from lightning_dta.rl import (
     Action,
     Environment,

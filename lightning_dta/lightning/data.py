@@ -1,4 +1,4 @@
-"""``RolloutDataModule``: rollouts in, one :class:`~lightning_dta.batch.StepBatch` per optimizer step out.
+"""``RolloutDataModule``: rollouts in, one :class:`~lightning_dta.core.batch.StepBatch` per optimizer step out.
 
 Every rank reads the same steps, computes the same advantages over the whole step and the same partition,
 and keeps its own share. No ``DistributedSampler`` is involved: a sampler would give each rank different
@@ -47,12 +47,12 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_dta.advantages import check_advantage_estimator, estimate_advantages
-from lightning_dta.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
-from lightning_dta.batch import StepBatch
+from lightning_dta.core.advantages import check_advantage_estimator, estimate_advantages
+from lightning_dta.core.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.model_info import model_limits
-from lightning_dta.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
-from lightning_dta.tree import PrefixTree
 
 StepSource = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
 
@@ -148,7 +148,7 @@ class RolloutDataModule(L.LightningDataModule):
             (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step, or ``"gae"``
             (the rewards pass through and ``DTAModule(critic=...)`` estimates advantages in the step).
         partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
-        cost_model: the partition's :class:`~lightning_dta.balance.CostModel` (its start, when calibrated).
+        cost_model: the partition's :class:`~lightning_dta.core.balance.CostModel` (its start, when calibrated).
         calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step
             (:meth:`observe_step`, which ``DTAModule`` calls), so the partition learns what this model and
             hardware actually spend on tokens, attention and forward calls.

@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
-from lightning_dta.distributed import all_gather_floats
-from lightning_dta.memory import peak_rss_bytes, reset_peak_rss
+from lightning_dta.distributed.collectives import all_gather_floats
+from lightning_dta.engine.memory import peak_rss_bytes, reset_peak_rss
 
 GIB = 2.0**30
 

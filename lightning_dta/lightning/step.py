@@ -9,7 +9,7 @@ The order is fixed by exactness, not taste:
 4. clip (the norm of the full-step gradient, identical on every rank), then step.
 
 :func:`tree_step_backward` is steps 1-3 with no framework; :func:`dfs_training_step` adds step 4 for a
-manual-optimization ``LightningModule`` and is what :class:`~lightning_dta.module.DTAModule` calls.
+manual-optimization ``LightningModule`` and is what :class:`~lightning_dta.lightning.module.DTAModule` calls.
 :class:`DFSStepMixin` gives an existing ``LightningModule`` the step as a method.
 
 Why ``tree_backward`` and not ``manual_backward`` per node: Lightning's ``manual_backward`` fires the
@@ -33,8 +33,10 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_dta.batch import StepBatch
-from lightning_dta.distributed import (
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import (
     DEFAULT_BUCKET_MB,
     all_gather_floats,
     all_reduce_sum,
@@ -42,11 +44,9 @@ from lightning_dta.distributed import (
     sum_gradients,
     synchronize,
 )
+from lightning_dta.distributed.sharding import is_sharded, local_tensor, reduce_gradients, unsharded
 from lightning_dta.engine import EngineOptions, TreeBackwardOutput, tree_backward, tree_loss_normalizer
 from lightning_dta.engine.diagnosis import nonfinite_rollouts
-from lightning_dta.losses import METRIC_SUMS, PolicyLoss, metrics_from_sums
-from lightning_dta.sharding import is_sharded, local_tensor, reduce_gradients, unsharded
-from lightning_dta.tree import PrefixTree
 
 _COUNTS = ("num_rollouts", "logical_tokens", "tree_tokens")
 

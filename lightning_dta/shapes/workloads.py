@@ -10,7 +10,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from lightning_dta.rollout import Rollout, read_rollouts
+from lightning_dta.core.rollout import Rollout, read_rollouts
 
 
 def _tokens(rng: random.Random, vocab: int, length: int) -> list[int]:

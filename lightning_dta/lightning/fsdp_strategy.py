@@ -11,12 +11,12 @@ and meta-device initialisation. What this strategy adds:
   in ``setup``, with the Trainer's precision: ``bf16-mixed`` keeps float32 shards and computes in bfloat16
   (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); ``bf16-true`` shards bfloat16 weights
   and sums gradients in float32; ``32-true`` is plain float32. ``reshard_after_forward`` and ``cpu_offload`` are
-  FSDP2's own options (the DFS step itself always runs unsharded, see :mod:`lightning_dta.sharding`);
+  FSDP2's own options (the DFS step itself always runs unsharded, see :mod:`lightning_dta.distributed.sharding`);
 - a model given as a local Hugging Face checkpoint (or a hub name, downloaded once) is built on the meta device
   and loaded into the shards (every rank reads only its slices): no rank ever holds the whole model;
 - the DFS step: one all-gather per unit before the walk, no collective during it (every rank walks its own tree),
-  one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.step.tree_step_backward`);
-- the failure watchdog of ``DTAStrategy`` (:mod:`lightning_dta.faults`), and the same refusals (automatic
+  one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.lightning.step.tree_step_backward`);
+- the failure watchdog of ``DTAStrategy`` (:mod:`lightning_dta.distributed.faults`), and the same refusals (automatic
   optimization, ``16-mixed``).
 
 Registered as ``"dta_fsdp"`` on ``import lightning_dta``. There are no ``_spawn``/``_fork`` variants: the parent
@@ -35,8 +35,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_dta.faults import FailureWatchdogMixin
-from lightning_dta.sharding import ShardingError, load_hf_checkpoint, materialize, shard
+from lightning_dta.distributed.faults import FailureWatchdogMixin
+from lightning_dta.distributed.sharding import ShardingError, load_hf_checkpoint, materialize, shard
 
 
 class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):

@@ -113,8 +113,9 @@ def sharded_copy(model: nn.Module) -> nn.Module:
 
     recipe = getattr(model, "_lightning_dta_sharding", None)
     if recipe is None:
-        raise ShardingError("this model was sharded outside lightning_dta.sharding.shard, so its sharding cannot be "
-                            "repeated for a copy. Fix: shard it with lightning_dta.sharding.shard")
+        raise ShardingError("this model was sharded outside lightning_dta.distributed.sharding.shard, so its sharding "
+                            "cannot be "
+                            "repeated for a copy. Fix: shard it with lightning_dta.distributed.sharding.shard")
     device = next(p.device for p in model.parameters())
     buffers = dict(model.named_buffers())
     frozen = shard(_empty_like(model, next(model.parameters()).dtype), **recipe)

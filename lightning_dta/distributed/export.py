@@ -5,7 +5,8 @@ For serving (vLLM, SGLang) and the hub: ``config.json`` + safetensors, loadable 
 ``.ckpt`` file (``strategy="dta"``) and the folder of per-rank shards of ``strategy="dta_fsdp"`` (read here in one
 process with ``torch.distributed.checkpoint``; no process group is needed). The model is rebuilt from the config
 ``DTAModule`` stores in every checkpoint, so nothing is downloaded. Inside a running sharded job,
-:func:`lightning_dta.sharding.export_hf_checkpoint` writes the same layout without gathering the model anywhere.
+:func:`lightning_dta.distributed.sharding.export_hf_checkpoint` writes the same layout without gathering the model
+anywhere.
 Tokenizer files are not part of a training checkpoint: copy them from the base model.
 """
 

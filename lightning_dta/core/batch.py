@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_dta.balance import TreeFeatures
-from lightning_dta.rollout import Rollout
-from lightning_dta.tree import PrefixTree, TreeStats
+from lightning_dta.core.balance import TreeFeatures
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree, TreeStats
 
 
 @dataclass

@@ -38,8 +38,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from lightning_dta.rollout import Rollout
-from lightning_dta.tree import PrefixTree, common_prefix_length
+from lightning_dta.core.rollout import Rollout
+from lightning_dta.core.tree import PrefixTree, common_prefix_length
 
 
 def attention_weight_for(hidden_size: int) -> float:

@@ -1,7 +1,7 @@
 """``DTAModule``: a manual-optimization ``LightningModule`` that trains a Hugging Face causal LM with DFS steps.
 
-Each ``training_step`` receives this rank's :class:`~lightning_dta.batch.StepBatch` and runs exactly one
-optimizer step (:func:`~lightning_dta.step.dfs_training_step`): normaliser all-reduce, DFS, one gradient sum
+Each ``training_step`` receives this rank's :class:`~lightning_dta.core.batch.StepBatch` and runs exactly one
+optimizer step (:func:`~lightning_dta.lightning.step.dfs_training_step`): normaliser all-reduce, DFS, one gradient sum
 over ranks, clipping, step. Manual optimization is not a choice of style: Lightning's automatic loop wants
 one loss tensor per step to call ``backward`` on, and a DFS runs one backward per tree node.
 
@@ -26,14 +26,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_dta.advantages import gae_advantages
-from lightning_dta.batch import StepBatch
-from lightning_dta.critic import value_model
-from lightning_dta.distributed import DEFAULT_BUCKET_MB
+from lightning_dta.core.advantages import gae_advantages
+from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.losses import PolicyLoss, ValueLoss
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import DEFAULT_BUCKET_MB
 from lightning_dta.engine import EngineOptions, tree_values
-from lightning_dta.losses import PolicyLoss, ValueLoss
-from lightning_dta.step import DFSStepMixin, StepOutput, gradient_norm, tree_step_backward
-from lightning_dta.tree import PrefixTree
+from lightning_dta.lightning.step import DFSStepMixin, StepOutput, gradient_norm, tree_step_backward
+from lightning_dta.models import value_model
 
 ModelSpec = str | dict[str, Any] | nn.Module
 
@@ -121,13 +121,13 @@ class DTAModule(DFSStepMixin, LightningModule):
         max_nonfinite_skips: a step whose loss or gradient norm is not finite is skipped on every rank (a warning
             names the rollouts with non-finite terms); this many skipped steps in a row stop the run.
         critic: PPO with a learned baseline: a model spec like ``model`` (built with ``model_kwargs``) turned into
-            a critic (:func:`~lightning_dta.critic.value_model`). Each step then fills the rollouts' ``old_values``
+            a critic (:func:`~lightning_dta.models.value_model`). Each step then fills the rollouts' ``old_values``
             with ``tree_values``, estimates advantages and returns with GAE, trains the policy, and trains the
             critic with ``value_loss`` on the same tree (its own optimizer, the same clipping). Needs
             ``advantage_estimator: gae`` on the data side (the data module's or the online source's).
         critic_optimizer: called with the critic's parameters.
         value_loss: the critic's :class:`~lightning_dta.ValueLoss`.
-        gae_gamma, gae_lambda: GAE's discount and trace decay (:func:`~lightning_dta.advantages.gae_advantages`).
+        gae_gamma, gae_lambda: GAE's discount and trace decay (:func:`~lightning_dta.core.advantages.gae_advantages`).
     """
 
     def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,

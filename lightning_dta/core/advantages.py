@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
-from lightning_dta.rollout import Rollout, RolloutError
+from lightning_dta.core.rollout import Rollout, RolloutError
 
 AdvantageEstimator = Callable[[Sequence[Rollout]], list[Rollout]]
 
@@ -140,7 +140,7 @@ def gae_advantages(rollouts: Sequence[Rollout], gamma: float = 1.0, lam: float =
 
 def _critic_estimated(rollouts: Sequence[Rollout]) -> list[Rollout]:
     """``"gae"`` on the data side: the rewards pass through; the module's critic estimates the advantages in the
-    training step, when its values are known (:class:`~lightning_dta.module.DTAModule` with ``critic=``). The
+    training step, when its values are known (:class:`~lightning_dta.lightning.module.DTAModule` with ``critic=``). The
     rewards are checked now, so a missing one is reported with its step."""
     _rewards(rollouts)
     return list(rollouts)

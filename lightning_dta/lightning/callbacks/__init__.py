@@ -5,8 +5,8 @@ Both count on every rank and reduce over ranks from ``on_train_batch_*`` hooks, 
 collective from a rank-0-only hook would hang the other ranks.
 """
 
-from lightning_dta.callbacks.memory import PeakMemoryMonitor
-from lightning_dta.callbacks.progress import StepProgressBar
-from lightning_dta.callbacks.throughput import TreeThroughputMonitor
+from lightning_dta.lightning.callbacks.memory import PeakMemoryMonitor
+from lightning_dta.lightning.callbacks.progress import StepProgressBar
+from lightning_dta.lightning.callbacks.throughput import TreeThroughputMonitor
 
 __all__ = ["PeakMemoryMonitor", "StepProgressBar", "TreeThroughputMonitor"]

@@ -3,7 +3,7 @@
 A DFS step runs one backward per tree node. ``DistributedDataParallel`` reduces gradients from autograd hooks
 during backward, so it would all-reduce once per node, or, under ``no_sync``, leave a parameter touched only in
 ``no_sync`` backwards silently unsynced (``docs/traps.md``). This strategy therefore keeps every rank's module
-unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) relies on:
+unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.lightning.step`) relies on:
 
 - identical weights on every rank: rank 0's parameters and buffers are broadcast at setup (also after a
   checkpoint restore, which Lightning does before ``Strategy.setup``);
@@ -12,7 +12,7 @@ unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.step`) reli
 - the usual DDP launchers, ranks, ``barrier``/``broadcast``/``reduce`` for logging and checkpointing, which it
   inherits from Lightning's ``DDPStrategy``;
 - a failure on one rank stops every rank within seconds, with that rank's error printed on all of them
-  (:mod:`lightning_dta.faults`), instead of the others waiting for the collective timeout.
+  (:mod:`lightning_dta.distributed.faults`), instead of the others waiting for the collective timeout.
 
 On a single device no process group is created at all and every collective is a no-op, so ``devices=1`` runs
 the same code. Lightning finds no third-party strategy by itself, so ``import lightning_dta`` registers the
@@ -39,8 +39,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_dta.distributed import DEFAULT_BUCKET_MB, broadcast_module
-from lightning_dta.faults import FailureWatchdogMixin
+from lightning_dta.distributed.collectives import DEFAULT_BUCKET_MB, broadcast_module
+from lightning_dta.distributed.faults import FailureWatchdogMixin
 
 
 class DTAStrategy(FailureWatchdogMixin, DDPStrategy):

@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from lightning_dta.rollout import Rollout, validate_rollouts
+from lightning_dta.core.rollout import Rollout, validate_rollouts
 
 
 class TreeNode:

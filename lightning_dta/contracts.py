@@ -1,0 +1,175 @@
+"""The seams between the package's parts, as typed contracts: who offers what to whom.
+
+Each part talks to the next through one of these and never by probing for attribute names, so the type checker,
+an IDE and the import graph all see the handshake:
+
+- :class:`Objective`: what a loss offers the engine. ``engine/`` imports this and never a concrete loss; the
+  policy loss and the critic's value loss (``core/losses.py``) both implement it. :class:`TokenData` is what
+  the engine hands an objective for one chunk.
+- :class:`StepSource`: what a source of steps offers ``RolloutDataModule``: whole steps whose advantages are
+  already estimated, a length when it knows one, its state for resume, and a hook on each rank's share.
+- :class:`ParallelLayout` and :class:`TreeParallelStrategy`: what a strategy offers the DFS step and the module's
+  ``configure_model``: the device mesh, the data-parallel group the step's sums run over, whether (and how) the
+  weights are sharded, the gradient reduction's bucket size.
+
+This module imports nothing from Lightning and nothing from the rest of the package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:  # only for annotations: a contract must not pull in its implementations
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_dta.core.batch import StepBatch
+    from lightning_dta.core.rollout import Rollout
+
+HeadOutput = Literal["logprobs", "values"]
+
+DEFAULT_BUCKET_MB = 256.0
+
+
+@dataclass
+class TokenData:
+    """Per-(rollout, position) inputs of an objective for one chunk, each ``[R, L]`` (float unless noted).
+
+    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field. ``seq_log_weight`` and
+    ``seq_log_ratio`` are ``[R, 1]`` per-rollout values (``None`` unless the objective asks for them); ``returns``
+    and ``old_values`` are grids of the per-token fields an objective names in ``token_fields``.
+    """
+
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor
+    prox: torch.Tensor
+    ref: torch.Tensor
+    weight: torch.Tensor  # [R, 1]: the aggregation weight of each rollout
+    any_ref: bool = False  # whether any rollout of the step has reference log-probs
+    seq_log_weight: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of prox - old
+    seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
+    returns: torch.Tensor | None = None  # [R, L]: the critic's targets
+    old_values: torch.Tensor | None = None  # [R, L]: the critic's values at scoring time, NaN where not given
+
+
+@runtime_checkable
+class Objective(Protocol):
+    """What the tree engine asks of a loss. The engine evaluates it per (token, rollout) on a ``[R, L]`` grid of
+    each chunk, adds the weighted terms of every chunk into one scalar per backward and the metric sums into one
+    dict per step; the objective decides what the head's outputs mean and how the step is normalised."""
+
+    agg: str
+    """the step-wide aggregation (``token-mean``, ``seq-mean-*``, ``sum``): ``sum`` has no normaliser to share."""
+
+    head: HeadOutput
+    """what the model's head outputs are turned into: the targets' log-probs and entropies (``"logprobs"``), or
+    the scalar value at each position (``"values"``, a critic)."""
+
+    needs_entropy_grad: bool
+    """whether the entropy's gradient is part of the loss (otherwise it is computed detached, for the metric)."""
+
+    needs_sequence_ratio: bool
+    """whether each rollout's ratio of the current weights is needed before the walk (a forward-only pass)."""
+
+    needs_sequence_weights: bool
+    """whether each rollout's mean ``prox - old`` over its trained tokens is needed (sequence-level weights)."""
+
+    token_fields: tuple[str, ...]
+    """per-token rollout fields to gather into :class:`TokenData` beyond the policy's own (e.g. ``returns``)."""
+
+    required_fields: tuple[str, ...]
+    """those of ``token_fields`` that every rollout with a trained token must carry."""
+
+    advantage_only: bool
+    """whether the loss is 0 when every advantage is 0 (then a step of zero advantages trains nothing: warned)."""
+
+    metric_sums: tuple[str, ...]
+    """names of the raw sums the objective accumulates (added over chunks, trees and ranks before ratios)."""
+
+    def normalizer(self, masks: Sequence[torch.Tensor]) -> float:
+        """This tree's share of the step's loss normaliser, from per-rollout loss masks."""
+
+    def rollout_weights(self, token_counts: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """Each rollout's weight of its per-token loss sum, so that the step's loss is one weighted sum."""
+
+    def metrics(self, sums: Mapping[str, float]) -> dict[str, float]:
+        """The reported metrics from the (step-wide) raw sums."""
+
+    def __call__(self, outputs: torch.Tensor, entropy: torch.Tensor | None, data: TokenData,
+                 sums: dict) -> torch.Tensor:
+        """The weighted loss of one chunk's ``[R, L]`` grid of head outputs; adds into ``sums``."""
+
+
+@runtime_checkable
+class StepSource(Protocol):
+    """What ``RolloutDataModule`` takes steps from: a file, a Python iterable, or online generation.
+
+    A step is the whole optimizer step's rollouts (every rank reads the same steps), with its advantages already
+    estimated: the source owns advantage estimation (a critic's GAE is the critic's job, in the training step)."""
+
+    def steps(self, epoch: int, start: int) -> Iterator[tuple[str, list[Rollout]]]:
+        """The steps of ``epoch`` from position ``start`` on, each with a label for error messages."""
+
+    def __len__(self) -> int:
+        """Steps per epoch. A source that cannot know raises ``TypeError`` (Lightning's "no length")."""
+
+    def prepare_batch(self, batch: StepBatch) -> None:
+        """Complete this rank's share of a step before it is trained (every rank calls it, also without a tree)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue where this one stopped."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a strategy asks the module to shard its causal LM with FSDP2 (applied by
+    :func:`lightning_dta.distributed.collectives.parallelize.parallelize_model` in ``configure_model``)."""
+
+    wrap_modules: tuple[str, ...] | None = None  # the blocks to shard one by one (None: the model's _no_split_modules)
+    reshard_after_forward: bool = True
+    offload: bool = False  # FSDP2's CPUOffloadPolicy
+    param_dtype: torch.dtype | None = None  # cast the weights before sharding (the "-true" precisions)
+    mp_policy: Any = None  # FSDP2's MixedPrecisionPolicy, or None
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """How the ranks of a step are laid out.
+
+    Every rank of one data-parallel rank's group walks its own tree; the step's sums (loss normaliser, metrics,
+    gradients of replicated weights) run over ``data_parallel_group``. ``None`` there means the default group
+    (or a single process). ``sharding`` is set when the strategy shards the weights; ``device_mesh`` is the
+    strategy's mesh (dimension ``"data_parallel"``) when it has one.
+    """
+
+    data_parallel_group: ProcessGroup | None = None
+    device_mesh: DeviceMesh | None = None
+    sharding: Sharding | None = None
+    bucket_mb: float = DEFAULT_BUCKET_MB
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.sharding is not None
+
+
+@runtime_checkable
+class TreeParallelStrategy(Protocol):
+    """A strategy that runs DFS steps (``DTAStrategy``, ``DTAFSDPStrategy``): what it offers the step."""
+
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """The layout of this run's ranks (valid once the strategy's environment is set up)."""
+
+
+def parallel_layout(strategy: object) -> ParallelLayout:
+    """The layout a strategy offers; a strategy that is not a :class:`TreeParallelStrategy` (Lightning's single-device
+    strategy, say) runs one process with replicated weights: the default layout."""
+    return strategy.parallel_layout if isinstance(strategy, TreeParallelStrategy) else ParallelLayout()
