@@ -18,7 +18,7 @@ PY="${PYTHON:-python}"
 mkdir -p "$OUT_DIR"
 COMMON=(--dtype bfloat16 --device cuda --attn sdpa --repeats 2 --warmup 1 --no-progress --no-plots
         --modes vanilla,vanilla-ckpt,vanilla-batched,dfs,dfs-recompute,dfs-model-attention,prefix-grouper
-        --chunk-size 2048 --sibling-batch-tokens 32768 --vanilla-batch-tokens 32768)
+        --recompute-chunk 2048 --engine.sibling_batch_tokens 32768 --engine.vanilla_batch_tokens 32768)
 GRPO=(--grpo-prompts 4 --grpo-group 16 --grpo-prompt-len 1500,2500 --grpo-response-len 256,1536)
 AGENT=(--agent-episodes 2 --agent-turns 8 --agent-system-len 14500 --agent-thinking-len 200,800)
 TREE=(--tree-prompt-len 1024 --tree-branching 4,3,2)
@@ -30,7 +30,7 @@ LIMITS=(120 210 150)  # seconds: tests, Qwen3-0.6B, Qwen3-1.7B
 if [ "${SMOKE:-0}" = "1" ]; then  # toy sizes on the CPU: checks the script, the flags and the report
   COMMON=(--dtype float32 --device cpu --repeats 1 --warmup 1 --no-progress --no-plots
           --modes vanilla,vanilla-ckpt,vanilla-batched,dfs,dfs-recompute,dfs-model-attention,prefix-grouper
-          --chunk-size 32 --sibling-batch-tokens 512 --vanilla-batch-tokens 512)
+          --recompute-chunk 32 --engine.sibling_batch_tokens 512 --engine.vanilla_batch_tokens 512)
   GRPO=(--grpo-prompts 1 --grpo-group 3 --grpo-prompt-len 40,60 --grpo-response-len 8,16)
   AGENT=(--agent-episodes 1 --agent-turns 3 --agent-system-len 96 --agent-thinking-len 8,16)
   TREE=(--tree-prompt-len 32 --tree-branching 2,2)

@@ -13,12 +13,12 @@ import argparse
 
 import torch
 
-from lightning_dta.bench.runner import ModeSpec, saved_peak_bytes
+from lightning_dta.bench.runner import saved_peak_bytes
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.plan import TrainingState, plan_step, probe_rates
-from lightning_dta.plan.predict import standard_modes
 from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.modes import ModeSpec, planned_modes
 from lightning_dta.shapes.workloads import WORKLOADS
 
 
@@ -34,7 +34,7 @@ def main() -> None:
     print("| workload | mode | measured | predicted | error |\n|---|---|---:|---:|---:|")
     for name in ("grpo", "agent", "tree-search"):
         tree = PrefixTree.from_rollouts(WORKLOADS[name].generate(model.config.vocab_size, 0))
-        modes = standard_modes(EngineOptions(), recompute_chunk=256)
+        modes = planned_modes(EngineOptions(), recompute_chunk=256)
         keep = saved_peak_bytes(model, tree, modes["dfs"])
         modes["dfs-auto (half keep)"] = ModeSpec(EngineOptions(activation="auto",
                                                                activation_memory_budget=int(0.5 * keep)))

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import lightning_dta as dta
 from lightning_dta.accelerate import accelerate_tree_backward
+from lightning_dta.core.advantages import grpo_advantages
 from lightning_dta.lightning.data import make_step_batch
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "tiny_rollouts.jsonl"
@@ -37,8 +38,7 @@ def main(steps: int = 3, rollouts_per_step: int = 16, accelerator: Accelerator |
     losses = []
     for step in range(steps):
         chunk = rollouts[step * rollouts_per_step:(step + 1) * rollouts_per_step]
-        batch = make_step_batch(chunk, accelerator.process_index, accelerator.num_processes,
-                                advantage_estimator="grpo")
+        batch = make_step_batch(grpo_advantages(chunk), accelerator.process_index, accelerator.num_processes)
         out = accelerate_tree_backward(accelerator, model, batch.tree, loss_fn)  # batch.tree may be None
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()

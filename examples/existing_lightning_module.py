@@ -58,7 +58,7 @@ class PolicyModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer) -> None:
         # Once per step, on every rank: the gradients here are the whole step's, summed over ranks and clipped.
-        self.grad_norms.append(dta.step.gradient_norm(self.policy.parameters()))
+        self.grad_norms.append(dta.gradient_norm(self.policy.parameters()))
 
 
 def main(max_steps: int = 3, devices: int = 1) -> PolicyModule:

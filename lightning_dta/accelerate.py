@@ -32,8 +32,8 @@ from torch import nn
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.sharding import is_sharded, sum_over_ranks
+from lightning_dta.distributed.step import StepOutput, gradient_norm, tree_step_backward
 from lightning_dta.engine import EngineOptions
-from lightning_dta.lightning.step import StepOutput, gradient_norm, tree_step_backward
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
@@ -55,17 +55,21 @@ def accelerate_tree_backward(accelerator: Accelerator, model: nn.Module, tree: P
     Returns:
         Step-wide metrics, identical on every process; ``grad_norm`` is the norm of the summed gradient.
     """
+    # Accelerate's enum has a name; older releases gave a string
     kind = getattr(accelerator.distributed_type, "name", str(accelerator.distributed_type))
     if kind not in SUPPORTED:
         raise NotImplementedError(f"accelerate_tree_backward supports {SUPPORTED}, not {kind}: its partial "
                                   "gradients cannot be summed by the step. Fix: DDP (accelerate launch --multi_gpu) or "
                                   "FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2))")
+    # optional library feature: only mixed-precision plugins have a grad scaler
     if getattr(accelerator, "scaler", None) is not None:
         raise RuntimeError("fp16 mixed precision scales the loss inside accelerator.backward, which a DFS step does "
                            "not call. Fix: mixed_precision='bf16' or 'no'.")
     fsdp1 = NotImplementedError("accelerate_tree_backward supports FSDP2 only: FSDP1's flat parameters keep partial "
                                 "gradients the step cannot sum. Fix: FullyShardedDataParallelPlugin(fsdp_version=2)")
+    # optional library feature: Accelerate's state and its FSDP plugin exist only under FSDP
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
+    # optional library feature: Accelerate's state and its FSDP plugin exist only under FSDP
     if kind == "FSDP" and getattr(plugin, "fsdp_version", 1) != 2:
         raise fsdp1
     inner = accelerator.unwrap_model(model)

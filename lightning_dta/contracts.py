@@ -7,7 +7,9 @@ an IDE and the import graph all see the handshake:
   policy loss and the critic's value loss (``core/losses.py``) both implement it. :class:`TokenData` is what
   the engine hands an objective for one chunk.
 - :class:`StepSource`: what a source of steps offers ``RolloutDataModule``: whole steps whose advantages are
-  already estimated, a length when it knows one, its state for resume, and a hook on each rank's share.
+  already estimated, a length when it knows one, its state for resume, and a hook on each rank's share;
+  :class:`TreeDataModule`: what such a data module offers the training module (the model's limits in, the
+  measured step times back), and :class:`EstimatesAdvantages` which estimator its steps went through.
 - :class:`ParallelLayout` and :class:`TreeParallelStrategy`: what a strategy offers the DFS step and the module's
   ``configure_model``: the device mesh, the data-parallel group the step's sums run over, whether (and how) the
   weights are sharded, the gradient reduction's bucket size.
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:  # only for annotations: a contract must not pull in its implementations
+    from torch import nn
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -105,14 +108,27 @@ class Objective(Protocol):
         """The weighted loss of one chunk's ``[R, L]`` grid of head outputs; adds into ``sums``."""
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    """What every rollout is checked against at the boundary: the model's vocabulary and positions (``None``:
+    unchecked)."""
+
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+
 @runtime_checkable
 class StepSource(Protocol):
     """What ``RolloutDataModule`` takes steps from: a file, a Python iterable, or online generation.
 
-    A step is the whole optimizer step's rollouts (every rank reads the same steps), with its advantages already
-    estimated: the source owns advantage estimation (a critic's GAE is the critic's job, in the training step)."""
+    A step is the whole optimizer step's rollouts (every rank reads the same steps), validated against the model's
+    limits and with its advantages already estimated: the source owns advantage estimation (a critic's GAE is the
+    critic's job, in the training step)."""
 
-    def steps(self, epoch: int, start: int) -> Iterator[tuple[str, list[Rollout]]]:
+    advantage_estimator: str | None
+    """the estimator the source applies (``"gae"``: it leaves the advantages to a critic); ``None``: none."""
+
+    def steps(self, epoch: int, start: int, limits: ModelLimits) -> Iterator[tuple[str, list[Rollout]]]:
         """The steps of ``epoch`` from position ``start`` on, each with a label for error messages."""
 
     def __len__(self) -> int:
@@ -126,6 +142,28 @@ class StepSource(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+
+
+@runtime_checkable
+class EstimatesAdvantages(Protocol):
+    """Whatever says which advantage estimator the steps it hands out went through (a step source, a data module)."""
+
+    @property
+    def advantage_estimator(self) -> str | None:
+        """The estimator applied (``"gae"``: the rollouts carry rewards and a critic estimates in the training step;
+        ``None``: the rollouts' own advantages)."""
+
+
+@runtime_checkable
+class TreeDataModule(Protocol):
+    """What a data module of tree steps offers the training module: the model's limits flow in (a config states
+    them once, in the model) and the measured step times flow back (the partition's cost model learns from them)."""
+
+    def connect_model(self, model: nn.Module) -> None:
+        """Check rollouts against ``model``'s limits from now on."""
+
+    def observe_step(self, batch: StepBatch, rank_seconds: Sequence[float]) -> None:
+        """Every rank's measured DFS seconds of ``batch`` (the same on every rank)."""
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,83 @@
-"""A critic for PPO from any Hugging Face causal LM: the same backbone, a scalar value head instead of the LM head.
+"""Building the models a run trains: a causal LM from a spec (a checkpoint path or hub name, a config dict, a module),
+on the meta device for sharded runs, and a critic from any causal LM (:func:`value_model`).
 
-The engine's contract stays whole: the critic takes a KV cache, positions and ``logits_to_keep`` exactly as the
-policy does (it is the same model class), so ``tree_backward(critic, tree, ValueLoss())`` and
-``tree_values(critic, tree)`` walk the prefix tree like the policy's walks, each shared token computed once. Its
-"logits" are ``[..., 1]``: the value of the state at each position (the state the next token is emitted from).
+A critic keeps the engine's contract whole: it takes a KV cache, positions and ``logits_to_keep`` exactly as the
+policy does (it is the same model class), so ``tree_backward(critic, tree, ValueLoss())`` and ``tree_values(critic,
+tree)`` walk the prefix tree like the policy's walks, each shared token computed once. Its "logits" are ``[..., 1]``:
+the value of the state at each position (the state the next token is emitted from).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from os import PathLike
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
+
+ModelSpec = str | dict[str, Any] | nn.Module
+
+
+def _dtype_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """YAML gives dtypes as strings ("bfloat16"); transformers wants ``torch.dtype`` (or "auto")."""
+    out = dict(kwargs)
+    for key in ("dtype", "torch_dtype"):
+        if isinstance(out.get(key), str) and out[key] != "auto":
+            out[key] = getattr(torch, out[key])
+    return out
+
+
+def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
+                    model_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+    """A causal LM from a local path or hub name (``from_pretrained``), a config dict with a ``model_type``
+    (``AutoConfig.for_model`` + ``from_config``: random weights, for tests and tiny runs), or a module as is."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = _dtype_kwargs(model_kwargs or {})
+    if isinstance(model, nn.Module):
+        return model
+    if isinstance(model, Mapping):
+        spec = dict(model)
+        if "model_type" not in spec:
+            raise ValueError("a model config dict needs a 'model_type' (e.g. 'llama', 'qwen3'); got keys "
+                             f"{sorted(spec)}")
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    if isinstance(model, (str, PathLike)):
+        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    raise TypeError(f"model must be a path or hub name, a config dict or an nn.Module; got {type(model).__name__}")
+
+
+def local_checkpoint(model: str | PathLike) -> Path:
+    """The local directory of a Hugging Face checkpoint: the path itself, or the hub snapshot (downloaded once)."""
+    path = Path(model)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(model), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def build_on_meta(model: str | PathLike, model_kwargs: Mapping[str, Any] | None = None) -> tuple[nn.Module, Path]:
+    """The causal LM of a checkpoint with its parameters on the meta device (no memory) and its buffers real, and
+    the checkpoint's local directory: a sharding strategy allocates the shards and loads them from it."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = local_checkpoint(model)
+    kwargs = _dtype_kwargs(model_kwargs or {})
+    with init_empty_weights(include_buffers=False):
+        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
+    return causal_lm, path
 
 
 def value_model(model: nn.Module) -> nn.Module:
     """Turn ``model`` (a Hugging Face causal LM) into a critic, in place: its output embeddings become a scalar
     head (zero-initialised, so every value starts at 0) and are untied from the input embeddings. A model that is
     already a critic is returned as it is."""
+    # a user's model: not every nn.Module carries a Hugging Face config
     if getattr(getattr(model, "config", None), "is_value_model", False):
         return model
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -27,6 +89,7 @@ def value_model(model: nn.Module) -> nn.Module:
         value_head.weight.zero_()
         value_head.bias.zero_()
     model.config.tie_word_embeddings = False
+    # optional config API: multimodal configs nest a text config
     if getattr(model.config, "get_text_config", None) is not None:
         model.config.get_text_config().tie_word_embeddings = False
     model.set_output_embeddings(value_head)

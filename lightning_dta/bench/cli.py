@@ -8,7 +8,6 @@ gradient error against the per-rollout baseline so that a fast but wrong mode sh
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import platform
 import sys
@@ -16,29 +15,34 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from jsonargparse import ArgumentParser, Namespace
 
 from lightning_dta.bench import report
-from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, ModeSpec, run_bench, training_modes
+from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench
+from lightning_dta.cli import add_engine_options
 from lightning_dta.engine import EngineOptions
-from lightning_dta.engine.options import choices
 from lightning_dta.shapes.models import ARCHITECTURES, PRESETS, build_model
+from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, ModeSpec, compared_modes
 from lightning_dta.shapes.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def _pair(text: str) -> tuple[int, int]:
+def _pair(text: str | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(text, tuple):  # jsonargparse checks the parsed value with the type again
+        return text
     low, _, high = text.partition(",")
     return int(low), int(high or low)
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    if isinstance(text, tuple):
+        return text
     return tuple(int(x) for x in text.split(",") if x)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-dta bench", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="lightning-dta bench", description=__doc__, default_meta=False)
     what = parser.add_argument_group("what to run")
     what.add_argument("--workloads", default="grpo,agent,tree-search",
                       help="comma-separated: grpo, agent, tree-search (a --rollouts-file adds 'file')")
@@ -72,13 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype")
     model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     model.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
-    engine = parser.add_argument_group("engine options")
-    engine.add_argument("--chunk-size", default=256, type=int, help="chunk size of dfs-recompute")
-    engine.add_argument("--sibling-batch-tokens", default=EngineOptions().sibling_batch_tokens, type=int,
-                        help="dfs sibling batch budget (0: off)")
-    engine.add_argument("--vanilla-batch-tokens", default=4096, type=int, help="token budget of vanilla-batched")
-    engine.add_argument("--prefix-attention-backend", default=None, choices=choices("prefix_attention_backend"),
-                        help="dfs prefix-attention kernels (default: the device's)")
+    add_engine_options(parser)
+    compared = parser.add_argument_group("compared rows")
+    compared.add_argument("--recompute-chunk", default=RECOMPUTE_CHUNK, type=int,
+                          help="chunk_size of the dfs-recompute row and of the long-rollout memory check")
     sizes = parser.add_argument_group("workload sizes")
     sizes.add_argument("--grpo-prompts", default=2, type=int, help="GRPO groups (prompts) per step")
     sizes.add_argument("--grpo-group", default=8, type=int, help="responses per prompt")
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _workloads(args: argparse.Namespace) -> dict[str, object]:
+def _workloads(args: Namespace) -> dict[str, object]:
     available = {
         "grpo": GRPOWorkload(args.grpo_prompts, args.grpo_group, args.grpo_prompt_len, args.grpo_response_len),
         "agent": AgentWorkload(args.agent_episodes, args.agent_turns, args.agent_system_len,
@@ -115,7 +116,7 @@ def _workloads(args: argparse.Namespace) -> dict[str, object]:
     return chosen
 
 
-def _model(args: argparse.Namespace) -> torch.nn.Module:
+def _model(args: Namespace) -> torch.nn.Module:
     shape = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                  intermediate=args.intermediate, vocab=args.vocab)
     shape.update(PRESETS.get(args.preset, {}))
@@ -123,10 +124,9 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
                        seed=args.seed)
 
 
-def _modes(args: argparse.Namespace) -> tuple[dict[str, ModeSpec], ModeSpec | None]:
+def _modes(args: Namespace, engine: EngineOptions) -> tuple[dict[str, ModeSpec], ModeSpec | None]:
     """The modes to compare, and the one to profile (``None``: no profile)."""
-    all_modes = training_modes(args.chunk_size, args.sibling_batch_tokens or None, args.vanilla_batch_tokens,
-                               args.prefix_attention_backend)
+    all_modes = compared_modes(engine, args.recompute_chunk)
     wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
     unknown = wanted - set(all_modes)
     if unknown:
@@ -138,13 +138,15 @@ def _modes(args: argparse.Namespace) -> tuple[dict[str, ModeSpec], ModeSpec | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    engine = parser.instantiate(args).engine
     if args.threads:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
     model = _model(args)
-    modes, profiled = _modes(args)
+    modes, profiled = _modes(args, engine)
     workloads = _workloads(args)
     total = (len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
              + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
@@ -156,8 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     results = run_bench(model, workloads, modes, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                         logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
-                        chunk_size=args.chunk_size, sibling_batch_tokens=args.sibling_batch_tokens or None,
-                        profile=profiled, progress=progress)
+                        recompute_chunk=args.recompute_chunk, engine=engine, profile=profiled, progress=progress)
     bar.close()
     config = model.config
     header = (f"model: {args.arch if not args.preset else args.preset} {config.num_hidden_layers} layers, hidden "

@@ -24,13 +24,12 @@ from contextvars import ContextVar
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 
 from lightning_dta.core.losses import PolicyLoss, empty_sums
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import score
+from lightning_dta.engine.hf_attention import AttentionSwitch, attention_configs
 from lightning_dta.engine.model_info import inspect_model, loss_dtype
-from lightning_dta.engine.prefix_attention import attention_configs
 from lightning_dta.engine.step_data import StepData
 
 ATTENTION_NAME = "lightning_dta_bench_prefix_grouper"
@@ -69,21 +68,16 @@ def _grouped_attention(module: nn.Module, query, key, value, attention_mask, sca
     return out, None
 
 
-AttentionInterface.register(ATTENTION_NAME, _grouped_attention)
+_SWITCH = AttentionSwitch(ATTENTION_NAME, _grouped_attention)
 
 
 @contextmanager
 def _grouped(model: nn.Module, grouper, attention: Attention) -> Iterator[None]:
-    configs = attention_configs(model)
-    before = [c._attn_implementation_internal for c in configs]
     token = _ACTIVE.set((grouper, attention))
-    for c in configs:
-        c._attn_implementation_internal = ATTENTION_NAME
     try:
-        yield
+        with _SWITCH.on(attention_configs(model)):
+            yield
     finally:
-        for c, implementation in zip(configs, before):
-            c._attn_implementation_internal = implementation
         _ACTIVE.reset(token)
 
 

@@ -5,62 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lightning_dta.bench.runner import BASELINE, BenchResults, ModeResult
-from lightning_dta.core.tree import TreeStats
-
-
-def flop_speedup_limit(tree_stats_nodes: list[tuple[int, int]], lengths: list[int], head_tokens: int | None,
-                       hidden: int, layers: int, intermediate: int, vocab: int) -> float:
-    """The speed-up that perfect kernels would give: per-rollout FLOPs / tree FLOPs.
-
-    Linear layers scale with tokens (logical vs tree), attention with (query, key) pairs (per-rollout causal
-    squares vs each node's queries against its prefix). ``head_tokens``: training projects the LM head only
-    on the trained tokens, the same number in both (the tree does not share them); ``None`` (forward-only
-    log-probs) projects every position, which the tree shares like the linear layers.
-    ``tree_stats_nodes`` holds each node's ``(start, length)``.
-    """
-    linear = layers * (4 * hidden * hidden + 3 * hidden * intermediate)
-    attention = layers * 2 * hidden
-    head = hidden * vocab
-    logical, tree_tokens = sum(lengths), sum(length for _, length in tree_stats_nodes)
-    vanilla_pairs = sum(n * (n + 1) / 2 for n in lengths)
-    tree_pairs = sum(length * (start + (length + 1) / 2) for start, length in tree_stats_nodes)
-    vanilla_head, tree_head = (head_tokens, head_tokens) if head_tokens is not None else (logical, tree_tokens)
-    vanilla = logical * linear + vanilla_pairs * attention + vanilla_head * head
-    tree = tree_tokens * linear + tree_pairs * attention + tree_head * head
-    return vanilla / tree
-
-
-def rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None,
-         baseline: str = BASELINE) -> list[dict]:
-    """One record per mode; speed-ups against ``baseline`` (forward-only log-prob rows pass their own)."""
-    base = results[baseline].median if baseline in results else None
-    checkpointed = results["vanilla-ckpt"].median if "vanilla-ckpt" in results else None
-    out = []
-    for name, r in results.items():
-        speedup = base / r.median if base else None
-        out.append({
-            "workload": workload,
-            "mode": name,
-            "compression": stats.compression_ratio,
-            "rollouts": stats.num_rollouts,
-            "logical_tokens": stats.logical_tokens,
-            "tree_tokens": stats.tree_tokens,
-            "median_s": r.median,
-            "min_s": r.spread[0],
-            "max_s": r.spread[1],
-            "logical_tokens_per_s": stats.logical_tokens / r.median,
-            "speedup": speedup,
-            "speedup_vs_ckpt": checkpointed / r.median if checkpointed else None,
-            "efficiency": speedup / stats.compression_ratio if speedup else None,
-            "flop_speedup_limit": flop_limit,
-            "fraction_of_flop_limit": speedup / flop_limit if speedup and flop_limit else None,
-            "grad_rel_error": r.grad_rel_error,
-            "peak_saved_mib": r.peak_saved_bytes / 2**20 if r.peak_saved_bytes is not None else None,
-            "peak_rss_growth_mib": r.peak_rss_growth_bytes / 2**20 if r.peak_rss_growth_bytes is not None else None,
-            "cuda_peak_mib": r.cuda_peak_bytes / 2**20 if r.cuda_peak_bytes is not None else None,
-        })
-    return out
+from lightning_dta.bench.runner import BenchResults
 
 
 def _fmt(value, spec: str) -> str:

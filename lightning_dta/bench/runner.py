@@ -7,62 +7,29 @@ agreement with the per-rollout baseline, so that a fast wrong mode is visible.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 
 from lightning_dta.core.losses import PolicyLoss
-from lightning_dta.core.tree import PrefixTree
+from lightning_dta.core.tree import PrefixTree, TreeStats
 from lightning_dta.distributed.collectives import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.engine.activation_budget import path_kv_bytes
 from lightning_dta.engine.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
+from lightning_dta.plan.flops import ModelShape, speedup_limit
+from lightning_dta.shapes.modes import ModeSpec
 from lightning_dta.shapes.workloads import GRPOWorkload, LongSequenceWorkload
 
 BASELINE = "vanilla"
 
 
-@dataclass(frozen=True)
-class ModeSpec:
-    """A bench mode: the engine options, whether transformers activation checkpointing is on (a baseline), or a
-    peer method run instead of the engine."""
-
-    engine: EngineOptions
-    activation_checkpointing: bool = False
-    peer: Literal["prefix-grouper"] | None = None
-
-
 PEER_WORKLOADS = {"prefix-grouper": ("grpo",)}  # one-level sharing: the GRPO shape only
-
-
-def training_modes(chunk_size: int, sibling_batch_tokens: int | None, vanilla_batch_tokens: int,
-                   prefix_attention_backend: str | None) -> dict[str, ModeSpec]:
-    """The modes compared.
-
-    ``vanilla-ckpt`` is per-rollout training with transformers activation checkpointing: the baseline the
-    reference system (AReaL-DTA) reports its speed-ups against. ``prefix-grouper`` is the published one-level
-    peer (:mod:`~lightning_dta.bench.prefix_grouper`).
-    """
-    dfs = EngineOptions(sibling_batch_tokens=sibling_batch_tokens, prefix_attention_backend=prefix_attention_backend)
-    return {
-        "vanilla": ModeSpec(EngineOptions(mode="vanilla")),
-        "vanilla-ckpt": ModeSpec(EngineOptions(mode="vanilla"), activation_checkpointing=True),
-        "vanilla-batched": ModeSpec(EngineOptions(mode="vanilla", vanilla_batch_tokens=vanilla_batch_tokens)),
-        "mask": ModeSpec(EngineOptions(mode="mask")),
-        "dfs": ModeSpec(dfs),
-        "dfs-recompute": ModeSpec(dataclasses.replace(dfs, activation="recompute", chunk_size=chunk_size)),
-        # dfs with the model's own attention over a KV cache and a causal mask (what runs where prefix
-        # attention does not: GPUs, sliding windows), to measure what prefix attention brings
-        "dfs-model-attention": ModeSpec(dataclasses.replace(dfs, prefix_attention=False)),
-        "prefix-grouper": ModeSpec(EngineOptions(), peer="prefix-grouper"),
-    }
 
 
 def skip_reason(name: str, spec: ModeSpec, workload: str, device: torch.device) -> str | None:
@@ -281,24 +248,53 @@ def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, ch
     return rows
 
 
+def result_rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None,
+         baseline: str = BASELINE) -> list[dict]:
+    """One record per mode; speed-ups against ``baseline`` (forward-only log-prob rows pass their own)."""
+    base = results[baseline].median if baseline in results else None
+    checkpointed = results["vanilla-ckpt"].median if "vanilla-ckpt" in results else None
+    out = []
+    for name, r in results.items():
+        speedup = base / r.median if base else None
+        out.append({
+            "workload": workload,
+            "mode": name,
+            "compression": stats.compression_ratio,
+            "rollouts": stats.num_rollouts,
+            "logical_tokens": stats.logical_tokens,
+            "tree_tokens": stats.tree_tokens,
+            "median_s": r.median,
+            "min_s": r.spread[0],
+            "max_s": r.spread[1],
+            "logical_tokens_per_s": stats.logical_tokens / r.median,
+            "speedup": speedup,
+            "speedup_vs_ckpt": checkpointed / r.median if checkpointed else None,
+            "efficiency": speedup / stats.compression_ratio if speedup else None,
+            "flop_speedup_limit": flop_limit,
+            "fraction_of_flop_limit": speedup / flop_limit if speedup and flop_limit else None,
+            "grad_rel_error": r.grad_rel_error,
+            "peak_saved_mib": r.peak_saved_bytes / 2**20 if r.peak_saved_bytes is not None else None,
+            "peak_rss_growth_mib": r.peak_rss_growth_bytes / 2**20 if r.peak_rss_growth_bytes is not None else None,
+            "cuda_peak_mib": r.cuda_peak_bytes / 2**20 if r.cuda_peak_bytes is not None else None,
+        })
+    return out
+
+
 def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, ModeSpec], *, repeats: int,
-              warmup: int, seed: int, chunk_size: int, sibling_batch_tokens: int | None, logprobs: bool = True,
+              warmup: int, seed: int, recompute_chunk: int, engine: EngineOptions, logprobs: bool = True,
               memory_leaves: Sequence[int] = (), long_len: int = 0, profile: ModeSpec | None = None,
               progress: Callable[[str], None] | None = None) -> BenchResults:
     """Every mode on every workload, then the memory sweeps (module docstring)."""
-    from lightning_dta.bench import report
-
     config = model.config
+    shape = ModelShape.from_config(config)
     loss_fn = PolicyLoss()
     results = BenchResults()
     for name, workload in workloads.items():
         tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, seed), vocab_size=config.vocab_size,
                                         max_positions=config.max_position_embeddings)
         trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
-        shape = ([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors])
-        model_shape = (config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size)
-        limit = report.flop_speedup_limit(*shape, trained, *model_shape)
-        forward_limit = report.flop_speedup_limit(*shape, None, *model_shape)
+        limit = speedup_limit(shape, tree, head_positions=trained)
+        forward_limit = speedup_limit(shape, tree, head_positions=None)
         device = next(model.parameters()).device
         runnable = {}
         for mode, spec in modes.items():
@@ -308,17 +304,17 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
             else:
                 runnable[mode] = spec
         measured = run_training_modes(model, tree, loss_fn, runnable, repeats, warmup, progress)
-        results.rows += report.rows(name, tree.stats, measured, limit)
+        results.rows += result_rows(name, tree.stats, measured, limit)
         if logprobs:  # forward only: against the per-rollout forward, with its own FLOP limit
             dfs_engine = modes["dfs"].engine if "dfs" in modes else EngineOptions()
             measured = run_logprob_modes(model, tree, repeats, dfs_engine, progress)
-            results.rows += report.rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla")
+            results.rows += result_rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla")
         if profile is not None:
             results.profiles[name] = profile_step(model, tree, loss_fn, profile)
     if memory_leaves:
-        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed, sibling_batch_tokens,
-                                                progress)
+        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed,
+                                                engine.sibling_batch_tokens, progress)
     if long_len:
-        results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, chunk_size,
+        results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, recompute_chunk,
                                                 next(model.parameters()).dtype, progress)
     return results

@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from lightning_dta.core.rollout import Rollout
-from lightning_dta.core.tree import PrefixTree, common_prefix_length
+from lightning_dta.core.tree import PrefixTree, attention_pairs, causal_pairs, common_prefix_length
 
 
 def attention_weight_for(hidden_size: int) -> float:
@@ -81,8 +81,7 @@ class CostModel:
 
     def segment(self, start: int, end: int) -> float:
         """Cost of forwarding positions ``start .. end-1`` with the positions before them cached."""
-        n = end - start
-        return self.token * n + self.attention * n * (start + end + 1) / 2
+        return self.token * (end - start) + self.attention * causal_pairs(start, end - start)
 
     def of(self, features: TreeFeatures) -> float:
         """Cost of a tree with these features."""
@@ -98,46 +97,10 @@ class TreeFeatures(NamedTuple):
     branches: int = 0
 
 
-def segment_cost(start: int, end: int, cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> float:
-    """Cost of forwarding positions ``start .. end-1`` with the positions before them cached."""
-    return CostModel.coerce(cost_model).segment(start, end)
-
-
-def tree_cost(tree: PrefixTree, cost_model: CostModel | float = DEFAULT_ATTENTION_WEIGHT) -> float:
-    """Predicted cost of training ``tree`` with the DFS engine."""
-    return CostModel.coerce(cost_model).of(tree_features(tree))
-
-
-def attention_pairs(tree: PrefixTree) -> int:
-    """Number of (query, key) pairs the DFS engine computes: the attention term of the cost, unweighted."""
-    return sum(node.length * (node.start + node.end + 1) // 2 for node in tree.iter_nodes())
-
-
 def tree_features(tree: PrefixTree) -> TreeFeatures:
+    """The tokens, attention pairs and distinct rollouts of ``tree``: what :meth:`CostModel.of` prices."""
     distinct = sum(1 for node in tree.iter_nodes() if node.ends_here)
     return TreeFeatures(tree.stats.tree_tokens, attention_pairs(tree), distinct)
-
-
-def calibrate(trees: Sequence[PrefixTree], seconds: Sequence[float]) -> float:
-    """Fit ``attention_weight`` to measured times: ``seconds ~ a * tree_tokens + b * attention_pairs``.
-
-    A least-squares fit without intercept over trees of different shapes (vary depth as well as size, or the
-    two terms cannot be told apart); returns ``b / a``, the weight :func:`tree_cost` expects, clamped at 0.
-    Time each tree the way training runs it (same engine options, after warm-up). A run calibrates itself with
-    :class:`CostCalibrator` (``RolloutDataModule(calibrate_cost_model=True)``).
-    """
-    if len(trees) != len(seconds):
-        raise ValueError(f"got {len(trees)} trees but {len(seconds)} times")
-    features = np.array([[tree.stats.tree_tokens, attention_pairs(tree)] for tree in trees], dtype=np.float64)
-    times = np.asarray(seconds, dtype=np.float64)
-    if len(trees) < 2 or np.linalg.matrix_rank(features) < 2:
-        raise ValueError("calibrate needs at least two trees whose token and attention-pair counts are not "
-                         "proportional (e.g. a shallow and a deep tree)")
-    (per_token, per_pair), *_ = np.linalg.lstsq(features, times, rcond=None)
-    if per_token <= 0:
-        raise ValueError(f"the fitted time per token is {per_token:.3g} <= 0: the times do not grow with the "
-                         "tokens (too noisy, or dominated by a fixed overhead); time larger trees")
-    return max(float(per_pair / per_token), 0.0)
 
 
 def _nonnegative_least_squares(features: np.ndarray, times: np.ndarray) -> np.ndarray:
@@ -274,8 +237,9 @@ def partition_contiguous(rollouts: Sequence[Rollout] | PrefixTree, world_size: i
             high = middle
     pieces = min(world_size, n)
     ends = _least_sharing_lost(alone, added, chain.lcps, pieces, high * (1 + slack))
-    if ends is None:  # cannot happen (the greedy cut below is feasible), kept as a safe fallback
-        ends = cut(high, reserve=True) or cut(high, reserve=False)
+    if ends is None:  # the greedy cut at `high` is feasible, so a cut within high * (1 + slack) exists
+        raise RuntimeError(f"partition_contiguous found no cut of {n} rollouts into {pieces} pieces within the cost "
+                           f"{high * (1 + slack):.6g} that a greedy cut meets: this is a bug, please report it")
     ends = ends + [n] * (world_size - len(ends))
     starts = [0] + ends[:-1]
     return [sorted(chain.order[a:b]) for a, b in zip(starts, ends)]
@@ -447,7 +411,7 @@ def partition_report(rollouts: Sequence[Rollout] | PrefixTree, assignment: Seque
         branches[rank] += int(length > lcp)
         last[rank] = pos
     features = [TreeFeatures(t, p, b) for t, p, b in zip(tokens, pairs, branches)]
-    step_cost = tree_cost(tree, cost)
+    step_cost = cost.of(tree_features(tree))
     dearest = max(cost.segment(0, length) + cost.branch for length in chain.lengths)
     return PartitionReport(
         assignment=[list(indices) for indices in assignment], rank_costs=[cost.of(f) for f in features],

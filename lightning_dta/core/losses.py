@@ -1,4 +1,8 @@
-"""The RL policy loss (its definition: ``docs/losses.md``), evaluated per (token, rollout) pair.
+"""The objectives the engine trains (definitions: ``docs/losses.md``), evaluated per (token, rollout) pair.
+
+:class:`PolicyLoss` (the RL policy loss) and :class:`ValueLoss` (the critic's) implement
+:class:`~lightning_dta.contracts.Objective`, the engine's one view of a loss: the engine never asks which of the
+two it runs.
 
 A shared token appears once in the tree but once per rollout in the loss, so every term is computed on a
 ``[rollouts, positions]`` grid built from the same log-probs: clipping stays exact when rollouts carry
@@ -8,11 +12,13 @@ sequence-level importance weight) are per rollout, computed before the walk and 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import ClassVar, Literal, get_args
 
 import torch
+
+from lightning_dta.contracts import TokenData
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"]
 AGGREGATIONS = get_args(Aggregation)
@@ -30,30 +36,14 @@ METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum"
                "value_clipped_tokens")
 
 
-@dataclass
-class TokenData:
-    """Per-(rollout, position) inputs of the loss, each ``[R, L]`` (float unless noted).
-
-    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field. ``seq_log_weight`` and
-    ``seq_log_ratio`` are ``[R, 1]`` per-rollout values (``None`` unless the loss asks for them).
-    """
-
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    old: torch.Tensor
-    prox: torch.Tensor
-    ref: torch.Tensor
-    weight: torch.Tensor  # [R, 1]: the aggregation weight of each rollout
-    any_ref: bool = False  # whether any rollout of the step has reference log-probs
-    seq_log_weight: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of prox - old
-    seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
-    returns: torch.Tensor | None = None  # [R, L]: the critic's targets (ValueLoss)
-    old_values: torch.Tensor | None = None  # [R, L]: the critic's values at scoring time, NaN where not given
-
-
 @dataclass(frozen=True, kw_only=True)
 class StepAggregation:
-    """How per-(token, rollout) terms become the step's loss: shared by the policy and the value loss."""
+    """How per-(token, rollout) terms become the step's loss: shared by the policy and the value loss, with the
+    parts of :class:`~lightning_dta.contracts.Objective` they have in common."""
+
+    metric_sums: ClassVar[tuple[str, ...]] = METRIC_SUMS
+    token_fields: ClassVar[tuple[str, ...]] = ()
+    required_fields: ClassVar[tuple[str, ...]] = ()
 
     agg: Aggregation = "token-mean"
     """aggregation over the whole step: token-mean, seq-mean-token-mean, seq-mean-token-sum,
@@ -95,6 +85,10 @@ class StepAggregation:
         if self.agg == "seq-mean-token-sum-norm":
             return torch.full_like(counts, 1.0 / (norm * self.agg_norm_length))
         return torch.ones_like(counts)
+
+    def metrics(self, sums: Mapping[str, float]) -> dict[str, float]:
+        """The reported metrics from the raw sums (:func:`metrics_from_sums`)."""
+        return metrics_from_sums(sums)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,9 +139,20 @@ class PolicyLoss(StepAggregation):
             raise ValueError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
                              "below 1 it would shrink weights that are already on-policy")
 
+    head: ClassVar[str] = "logprobs"
+
     @property
     def needs_entropy_grad(self) -> bool:
         return self.entropy_coef != 0.0
+
+    @property
+    def needs_sequence_weights(self) -> bool:
+        return self.importance_level == "sequence"
+
+    @property
+    def advantage_only(self) -> bool:
+        """Without KL and entropy terms, every term is a multiple of an advantage."""
+        return self.kl_coef == 0.0 and self.entropy_coef == 0.0
 
     @property
     def needs_sequence_ratio(self) -> bool:
@@ -236,12 +241,13 @@ class ValueLoss(StepAggregation):
     clip_eps: float | None = 0.2
     """clip range of the value around old_values (PPO's value clipping); null: no clipping."""
 
-    kl_coef = 0.0  # the policy-loss attributes the engine reads, constant here
-    entropy_coef = 0.0
-    loss_mode = "value"
-    importance_level = "token"
-    needs_entropy_grad = False
-    needs_sequence_ratio = False
+    head: ClassVar[str] = "values"
+    token_fields: ClassVar[tuple[str, ...]] = ("returns", "old_values")
+    required_fields: ClassVar[tuple[str, ...]] = ("returns",)
+    needs_entropy_grad: ClassVar[bool] = False
+    needs_sequence_ratio: ClassVar[bool] = False
+    needs_sequence_weights: ClassVar[bool] = False
+    advantage_only: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -274,7 +280,7 @@ class ValueLoss(StepAggregation):
         return weighted
 
 
-def metrics_from_sums(sums: dict) -> dict[str, float]:
+def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
     """Turn raw sums (floats or 0-d tensors) into the reported metrics: means over trained (token, rollout)
     pairs, plus the trained-token count."""
     sums = {key: float(value) for key, value in sums.items()}

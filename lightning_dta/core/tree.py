@@ -191,3 +191,15 @@ class PrefixTree:
         s = self.stats
         return (f"PrefixTree(rollouts={s.num_rollouts}, logical_tokens={s.logical_tokens}, "
                 f"tree_tokens={s.tree_tokens}, compression={s.compression_ratio:.2f}x, nodes={s.num_nodes})")
+
+
+def causal_pairs(start: int, length: int) -> int:
+    """(query, key) pairs of ``length`` new tokens after a prefix of ``start``: each attends to the prefix and to
+    itself and the new tokens before it. The one count of attention work that the planner's FLOPs, the bench's
+    FLOP-model limit and the partition's cost model share."""
+    return length * start + length * (length + 1) // 2
+
+
+def attention_pairs(tree: PrefixTree) -> int:
+    """(query, key) pairs the DFS walk computes over ``tree``: every node's tokens against its prefix and itself."""
+    return sum(causal_pairs(node.start, node.length) for node in tree.iter_nodes())

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-DEFAULT_BUCKET_MB = 256.0
+from lightning_dta.contracts import DEFAULT_BUCKET_MB
 
 
 def world_size(group: dist.ProcessGroup | None = None) -> int:

@@ -63,6 +63,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path) -> Path:
     model, state = _load_sharded(path) if path.is_dir() else _load_file(path)
     weights = {k[len(PREFIX):]: v for k, v in state.items() if k.startswith(PREFIX)}
     missing, unexpected = model.load_state_dict(weights, strict=False)
+    # optional Hugging Face attribute: the keys that alias another parameter, where any
     tied = set(getattr(model, "_tied_weights_keys", None) or ()) if model.config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
         raise ExportError(f"{path} does not match the stored model config: missing {sorted(missing)[:5]}, "

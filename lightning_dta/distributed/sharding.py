@@ -60,6 +60,7 @@ def is_sharded(model: nn.Module) -> bool:
 def decoder_layers(model: nn.Module, wrap_modules: Sequence[str] | None = None) -> list[nn.Module]:
     """The modules to shard one by one: instances of the classes named in ``wrap_modules``, or of the model's own
     ``_no_split_modules`` (Hugging Face lists its decoder layer class there, e.g. ``LlamaDecoderLayer``)."""
+    # a Hugging Face model lists its repeated block class here; other modules may not
     names = set(wrap_modules or getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names and m is not model]
     if not layers:
@@ -111,6 +112,7 @@ def sharded_copy(model: nn.Module) -> nn.Module:
     device, sharded with ``model``'s settings and given ``model``'s shards (a local copy, no communication)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    # set by shard(): a model sharded elsewhere has none
     recipe = getattr(model, "_lightning_dta_sharding", None)
     if recipe is None:
         raise ShardingError("this model was sharded outside lightning_dta.distributed.sharding.shard, so its sharding "
@@ -273,6 +275,7 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path) -> Path:
                                                             enable_consolidation=True))
     if rank == 0:
         model.config.save_pretrained(out)
+        # optional Hugging Face attribute: not every model has a generation config
         generation = getattr(model, "generation_config", None)
         if generation is not None:
             generation.save_pretrained(out)
@@ -284,10 +287,13 @@ def export_hf_checkpoint(model: nn.Module, out_dir: str | Path) -> Path:
 
 def _tied_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
     """State-dict keys that alias another parameter (``lm_head.weight`` tied to the embeddings)."""
+    # optional Hugging Face attribute: the keys that alias another parameter, where any
     tied = getattr(model, "_tied_weights_keys", None) or ()
     if isinstance(tied, dict):
         tied = tied.keys()
+    # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
+    # optional config field: not every model family has it
     if config is not None and not getattr(config, "tie_word_embeddings", False):
         return set()
     return {k for k in tied if k in state}

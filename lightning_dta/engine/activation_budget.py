@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dta.core.losses import TokenData, empty_sums
+from lightning_dta.contracts import Objective, TokenData
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import forward_batch, loss_inputs
@@ -37,7 +37,8 @@ MAX_BATCH_SHARE = 0.5  # one batch (the room kept free on top of the path) predi
 _RATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn) -> tuple[float, float, float]:
+def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn: Objective
+                  ) -> tuple[float, float, float]:
     """Bytes saved for backward per computed token (the body), per scored position (the head and the
     log-prob/entropy blocks) and per (rollout, position) entry of the loss grid, from probe forwards with grad
     and no backward. Cached per model, dtype, attention path and loss."""
@@ -63,7 +64,7 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
         data = _probe_data(rows, columns, dtype, info.device)
         with SavedTensorMeter(model) as grid:
             entropy = torch.zeros(1, columns, dtype=dtype, device=info.device, requires_grad=True)
-            loss_fn(scores * 1.0, entropy * 1.0, data, empty_sums())
+            loss_fn(scores * 1.0, entropy * 1.0, data, dict.fromkeys(loss_fn.metric_sums, 0.0))
     rates = (body.peak_bytes / PROBE_TOKENS, max(whole.peak_bytes - body.peak_bytes, 0) / (PROBE_TOKENS - 1),
              grid.peak_bytes / (rows * columns))
     cached[key] = rates
@@ -86,7 +87,9 @@ def path_kv_bytes(config, capacity: int, dtype: torch.dtype) -> int:
     capacity x head dim. The budget counts them in full: attention saves views of them for backward."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
+    # optional config fields: not every model family has them
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    # optional config fields: not every model family has them
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * capacity * torch.empty((), dtype=dtype).element_size()
 

@@ -183,9 +183,11 @@ class CPUFlashBackend(AttentionBackend):
 
 def argument_names(fn: Callable) -> list[str]:
     """The argument names of a PyTorch op (from its schema) or of a Python function (from its signature)."""
+    # optional library feature: a torch op has a schema, a plain Python function has none
     schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
     if schema is not None:
         return [a.name for a in schema.arguments]
+    # optional library feature: torch.library custom ops wrap the function they were made from
     return list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 

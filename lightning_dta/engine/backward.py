@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_dta.core.losses import PolicyLoss, empty_sums, metrics_from_sums
+from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree, TreeStats
 from lightning_dta.engine.device import host_values
 from lightning_dta.engine.dfs import DFSWalk
@@ -34,7 +34,7 @@ class TreeBackwardOutput:
 
 
 def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
-                     loss_fn: PolicyLoss) -> None:
+                     loss_fn: Objective) -> None:
     """Refuse combinations that would train on something other than what was asked."""
     if loss_fn.needs_sequence_ratio and info.has_active_dropout:
         raise ModelNotSupportedError("loss_mode='gspo' computes each rollout's ratio in a forward-only pass before "
@@ -48,6 +48,7 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
             f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="
             f"{info.attn_implementation!r} does not take (it would silently attend causally across branches). "
             "Fix: load the model with attn_implementation='sdpa' (or 'eager') for the mask baseline.")
+    # a user's model: not every nn.Module carries a Hugging Face config
     window = getattr(getattr(model, "config", None), "sliding_window", None)
     if engine.mode == "mask" and window is not None and tree.stats.max_depth_tokens > window:
         raise ModelNotSupportedError(
@@ -56,15 +57,16 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
             "Fix: use mode='dfs' (exact with sliding windows: the model masks the cache itself) or 'vanilla'.")
 
 
-def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None = None, mode: str | None = None,
+def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: Objective, mode: str | None = None,
                   *, engine: EngineOptions | Mapping[str, Any] | None = None, normalizer: float | None = None,
                   **overrides: Any) -> TreeBackwardOutput:
-    """Add the gradient of the policy loss over every rollout of ``tree`` to the parameters' ``.grad``.
+    """Add the gradient of the loss over every rollout of ``tree`` to the parameters' ``.grad``.
 
     Args:
         model: a Hugging Face causal LM that accepts a KV cache.
         tree: the rollouts, as a :class:`PrefixTree`.
-        loss_fn: the loss (default ``PolicyLoss()``).
+        loss_fn: the objective: a :class:`~lightning_dta.PolicyLoss` (``PolicyLoss()`` is the plain policy gradient)
+            or a critic's :class:`~lightning_dta.ValueLoss`.
         mode: shorthand for ``EngineOptions.mode`` (``"dfs"``, ``"vanilla"`` or ``"mask"``).
         engine: the :class:`EngineOptions` (default ``EngineOptions()``); every combination is exact.
         normalizer: the step's loss normaliser (see ``PolicyLoss.normalizer``); ``None`` uses this tree's own.
@@ -75,7 +77,9 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
     if mode is not None:
         overrides["mode"] = mode
     engine = EngineOptions.resolve(engine, **overrides)
-    loss_fn = loss_fn or PolicyLoss()
+    if not isinstance(loss_fn, Objective):
+        raise TypeError(f"loss_fn must be an objective such as lightning_dta.PolicyLoss(), got "
+                        f"{type(loss_fn).__name__}")
     info = inspect_model(model, uses_cache=engine.mode != "vanilla",
                          prefix_attention=engine.prefix_attention if engine.mode == "dfs" else False,
                          prefix_attention_backend=engine.prefix_attention_backend)
@@ -86,7 +90,7 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
         warn_if_nothing_to_learn(step, loss_fn)
     if loss_fn.needs_sequence_ratio:  # GSPO: each rollout's ratio under these weights, from a forward-only walk
         step.set_current_logprobs(tree_logprobs(model, tree, engine=engine))
-    sums = empty_sums()
+    sums = dict.fromkeys(loss_fn.metric_sums, 0.0)
     if engine.mode == "dfs":
         total = DFSWalk(model, info, tree, step, loss_fn, engine, sums).run()
     elif engine.mode == "vanilla":
@@ -95,5 +99,5 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss | None
         total = mask_backward(model, info, tree, step, loss_fn, sums, engine.mask_max_tokens)
     total, *values = host_values([total, *sums.values()], info.device)  # the step's one host read
     sums = dict(zip(sums, values))
-    return TreeBackwardOutput(loss=total, metrics=metrics_from_sums(sums), sums=sums, stats=tree.stats,
+    return TreeBackwardOutput(loss=total, metrics=loss_fn.metrics(sums), sums=sums, stats=tree.stats,
                               normalizer=step.normalizer)

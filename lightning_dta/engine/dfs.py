@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree, TreeNode
 from lightning_dta.engine.activation_budget import ActivationBudget, measure_rates, path_kv_bytes
 from lightning_dta.engine.forward import forward_batch, loss_inputs
@@ -140,7 +140,7 @@ class DFSSchedule(TreeWalk):
 
 
 def activation_budget(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
-                      dtype: torch.dtype, loss_fn: PolicyLoss) -> ActivationBudget | None:
+                      dtype: torch.dtype, loss_fn: Objective) -> ActivationBudget | None:
     """The budget of ``activation="auto"`` (``None`` otherwise), with the rates probed on ``model``."""
     if engine.activation != "auto":
         return None
@@ -151,7 +151,7 @@ def activation_budget(model: nn.Module, info: ModelInfo, tree: PrefixTree, engin
 class DFSWalk(DFSSchedule):
     """One training step over a tree: adds the gradient of its loss to ``.grad``; :meth:`run` returns the loss."""
 
-    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+    def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
                  engine: EngineOptions, sums: dict) -> None:
         super().__init__(tree, engine, info.packs_siblings, step,
                          activation_budget(model, info, tree, engine, step.dtype, loss_fn))

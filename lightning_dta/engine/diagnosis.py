@@ -12,14 +12,14 @@ import math
 import torch
 from torch import nn
 
-from lightning_dta.core.losses import PolicyLoss, empty_sums
+from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.logprobs import tree_logprobs
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import StepData
 
 
-def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss,
+def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: Objective,
                        engine: EngineOptions | None = None) -> list[int]:
     """Indices (in ``tree.rollouts``) of the rollouts with a non-finite loss term under the current weights.
 
@@ -39,7 +39,7 @@ def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: PolicyLoss,
             bad.append(index)
             continue
         data = targets.data  # on the CPU: StepData's default device
-        term = loss_fn(values.to(data.mask.dtype), None, data, empty_sums())
+        term = loss_fn(values.to(data.mask.dtype), None, data, dict.fromkeys(loss_fn.metric_sums, 0.0))
         if not math.isfinite(float(term)):
             bad.append(index)
     return bad

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from lightning_dta.core.losses import PolicyLoss, ValueLoss
+from lightning_dta.contracts import Objective
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
@@ -123,11 +123,11 @@ def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_
     return logp, entropy[None, :]
 
 
-def loss_inputs(loss_fn: PolicyLoss | ValueLoss, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
+def loss_inputs(loss_fn: Objective, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What ``loss_fn`` takes from a chunk's head outputs ``[C, V]`` for the targets ``[R, C]``: the targets'
     log-probs and the entropies (policy), or the value head's output at each position for every row (critic)."""
-    if isinstance(loss_fn, ValueLoss):
+    if loss_fn.head == "values":
         return logits[:, 0].to(dtype)[None, :].expand(targets.shape), None
     return score(logits, targets, dtype, with_entropy=True, entropy_grad=loss_fn.needs_entropy_grad)
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree, common_prefix_length
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
@@ -57,7 +57,7 @@ def tree_attention_mask(pack: PrefixTree, dtype: torch.dtype) -> tuple[torch.Ten
     return positions, mask[None, None], offsets
 
 
-def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
                   sums: dict, max_tokens: int | None = None) -> torch.Tensor:
     total = torch.zeros((), dtype=step.dtype, device=info.device)
     for group in rollout_packs(tree, max_tokens):

@@ -62,6 +62,7 @@ def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
 
 def text_config(model: nn.Module):
     """The config that describes the language model (the text part of a multimodal config), or ``None``."""
+    # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -69,7 +70,9 @@ def text_config(model: nn.Module):
 def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
     """The model's vocabulary size and maximum positions (``None`` where the config does not say)."""
     text = text_config(model)
+    # optional config fields: not every model family has them
     vocab_size = getattr(text, "vocab_size", None)
+    # optional config fields: not every model family has them
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     return vocab_size, max_positions
 
@@ -125,13 +128,16 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
             "transformers gradient checkpointing is enabled; it drops the KV cache during training (with only a "
             "warning), which would train on different inputs. Fix: call model.gradient_checkpointing_disable() "
             "and use EngineOptions(activation='recompute', chunk_size=...) instead.")
+    # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
     text = text_config(model)
     vocab_size, max_positions = model_limits(model)
     first = next(model.parameters())
     dropout = model.training and any(isinstance(m, nn.Dropout) and m.p > 0 for m in model.modules())
     attn_implementation = original_implementation(config) if config is not None else None
+    # optional config fields: not every model family has them
     num_layers = getattr(text, "num_hidden_layers", None)
+    # optional config fields: not every model family has them
     cacheless = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind not in KV_LAYER_TYPES})
     if uses_cache and cacheless:
         raise ModelNotSupportedError(

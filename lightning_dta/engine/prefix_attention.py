@@ -17,14 +17,13 @@ block's exact share of the gradient (the softmax normaliser and ``rowsum(dO * O)
 
 The kernels are a backend (:mod:`~lightning_dta.engine.attention_backends`: CPU flash, CUDA varlen flash,
 flash-attn, or the pure-PyTorch reference). It plugs into transformers as an attention implementation that
-the *attention switch* (:func:`attention_switch`) turns on only for the duration of one sibling batch's
-forward; the chunks' new keys/values (after RoPE) are recorded on the way
-(:class:`~lightning_dta.engine.kv.KVRecorder`), so no KV cache object is involved.
+the *attention switch* (:func:`attention_switch`, through the adapter of :mod:`~lightning_dta.engine.hf_attention`)
+turns on only for the duration of one sibling batch's forward; the chunks' new keys/values (after RoPE) are
+recorded on the way (:class:`~lightning_dta.engine.kv.KVRecorder`), so no KV cache object is involved.
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,10 +32,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 
 from lightning_dta.engine.attention_backends import AttentionBackend, Varlen
 from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.hf_attention import AttentionSwitch, attention_configs
 from lightning_dta.engine.kv import KV, KVRecorder
 
 ATTENTION_NAME = "lightning_dta_prefix"
@@ -209,6 +208,7 @@ class UnsupportedAttention(ModelNotSupportedError):
 def _unsupported_call(module: nn.Module, forward: SwitchedForward, prefix_length: int,
                       attention_mask: torch.Tensor | None, dropout: float, kwargs: dict) -> str | None:
     name = type(module).__name__
+    # transformers' attention modules carry one; other modules do not
     layer = getattr(module, "layer_idx", None)
     window = kwargs.get("sliding_window")
     unknown = sorted(set(kwargs) - ALLOWED_KWARGS)
@@ -240,6 +240,7 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     forward = _ACTIVE.get()
     if forward is None:
         raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} only runs inside lightning_dta's tree engine")
+    # transformers' attention modules carry one; other modules do not
     layer = getattr(module, "layer_idx", None)
     past = forward.past[layer] if forward.past and layer is not None else (None, None)
     prefix_length = past[0].shape[2] if past[0] is not None else forward.deepest_start
@@ -268,26 +269,12 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     return out, None
 
 
-AttentionInterface.register(ATTENTION_NAME, prefix_attention_forward)
-
-# Which configs are switched, and what they held before: the switch is counted per config so that
-# overlapping engine runs on one model (threads) restore the model's own implementation exactly once.
-_SWITCH_LOCK = threading.Lock()
-_SWITCHED: dict[int, list] = {}  # id(config) -> [implementation before the first switch, active switches]
+SWITCH = AttentionSwitch(ATTENTION_NAME, prefix_attention_forward)
 
 
 def original_implementation(config) -> str | None:
     """The model's own attention implementation, also while the engine has it switched."""
-    with _SWITCH_LOCK:
-        entry = _SWITCHED.get(id(config))
-        return entry[0] if entry else getattr(config, "_attn_implementation", None)
-
-
-def attention_configs(model: nn.Module) -> tuple:
-    """The config objects the attention modules read their implementation from."""
-    configs = {id(m.config): m.config for m in model.modules()
-               if getattr(m, "layer_idx", None) is not None and hasattr(m, "config")}
-    return tuple(configs.values())
+    return SWITCH.original(config)
 
 
 REPLACEABLE = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_3"})  # plain softmax attention
@@ -302,12 +289,16 @@ def unsupported_reason(model: nn.Module, configs: tuple) -> str | None:
     if not implementations <= REPLACEABLE:
         return (f"attn_implementation={sorted(map(str, implementations))} (prefix attention replaces "
                 f"{sorted(REPLACEABLE)})")
+    # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # optional config fields: not every model family has them
     if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
         return "the model has sliding-window or other non-full attention layers"
+    # optional config fields: not every model family has them
     if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
         return "the model uses a sliding attention window"
+    # optional config fields: not every model family has them
     if getattr(text, "attn_logit_softcapping", None) is not None:
         return "the model soft-caps attention logits"
     return None
@@ -362,19 +353,8 @@ def attention_switch(configs: tuple, backend: AttentionBackend, past: KV | None,
     attention too and fail loudly: a model being trained is not for concurrent use."""
     forward = SwitchedForward(backend, past, spans, levels, deepest_start)
     token = _ACTIVE.set(forward)
-    with _SWITCH_LOCK:
-        for c in configs:
-            entry = _SWITCHED.setdefault(id(c), [c._attn_implementation_internal, 0])
-            entry[1] += 1
-            c._attn_implementation_internal = ATTENTION_NAME
     try:
-        yield forward
+        with SWITCH.on(configs):
+            yield forward
     finally:
-        with _SWITCH_LOCK:
-            for c in configs:
-                entry = _SWITCHED[id(c)]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    c._attn_implementation_internal = entry[0]
-                    del _SWITCHED[id(c)]
         _ACTIVE.reset(token)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_dta.core.losses import PolicyLoss, TokenData, ValueLoss
+from lightning_dta.contracts import Objective, TokenData
 from lightning_dta.core.rollout import RolloutError
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.device import to_device
@@ -21,7 +21,7 @@ from lightning_dta.engine.device import to_device
 _NAN = float("nan")
 
 
-def tree_loss_normalizer(tree: PrefixTree, loss_fn: PolicyLoss) -> float:
+def tree_loss_normalizer(tree: PrefixTree, loss_fn: Objective) -> float:
     """This tree's share of the step's loss normaliser; sum it over trees and ranks for a global step."""
     return loss_fn.normalizer(tree.loss_masks)
 
@@ -40,11 +40,11 @@ class ChunkTargets:
         return self.columns.numel() == 0
 
 
-def warn_if_nothing_to_learn(step: StepData, loss_fn: PolicyLoss | ValueLoss) -> None:
+def warn_if_nothing_to_learn(step: StepData, loss_fn: Objective) -> None:
     """A whole step whose trained tokens all have advantage 0 (and no KL or entropy term) has loss 0 and gradient 0:
     say so instead of returning zeros in silence (typically: advantages never estimated)."""
     trained = step.mask > 0
-    if not isinstance(loss_fn, PolicyLoss) or loss_fn.kl_coef != 0 or loss_fn.entropy_coef != 0:
+    if not loss_fn.advantage_only:
         return
     if trained.any() and not step.advantages[trained].any():
         warnings.warn("every trained token of this step has advantage 0, so the loss and its gradient are 0. Fix: "
@@ -55,7 +55,7 @@ def warn_if_nothing_to_learn(step: StepData, loss_fn: PolicyLoss | ValueLoss) ->
 class StepData:
     """Flat per-token tensors of all rollouts of a tree (on the CPU, where the indexing is cheap)."""
 
-    def __init__(self, tree: PrefixTree, loss_fn: PolicyLoss | ValueLoss | None = None, normalizer: float | None = None,
+    def __init__(self, tree: PrefixTree, loss_fn: Objective | None = None, normalizer: float | None = None,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.tree = tree
         self.device = torch.device(device)
@@ -73,15 +73,7 @@ class StepData:
         self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
         self.ref = torch.cat([self._optional(r.ref_logprobs, len(r)) for r in tree.rollouts])
         self.any_ref = any(r.ref_logprobs is not None for r in tree.rollouts)
-        self.returns = self.old_values = None  # the critic's grids (ValueLoss only)
-        if isinstance(loss_fn, ValueLoss):
-            for index, (rollout, count) in enumerate(zip(tree.rollouts, self.token_counts)):
-                if rollout.returns is None and count > 0:
-                    raise RolloutError(index, "returns", "is missing, and the value loss regresses on it",
-                                       "estimate advantages with advantage_estimator='gae' (it writes returns) or "
-                                       "give one return per token")
-            self.returns = torch.cat([self._optional(r.returns, len(r)) for r in tree.rollouts])
-            self.old_values = torch.cat([self._optional(r.old_values, len(r)) for r in tree.rollouts])
+        self.fields = self._token_fields(loss_fn)  # the objective's own per-token fields (a critic's returns)
         if loss_fn is not None:
             self.normalizer = float(loss_fn.normalizer(masks) if normalizer is None else normalizer)
             self.weights = loss_fn.rollout_weights(self.token_counts, self.normalizer)
@@ -89,9 +81,23 @@ class StepData:
             self.normalizer = 1.0
             self.weights = torch.ones(len(tree.rollouts), dtype=torch.float64)
         self.seq_log_weight = None  # [R]: sequence-level importance log-weights, when the loss asks for them
-        if isinstance(loss_fn, PolicyLoss) and loss_fn.importance_level == "sequence":
+        if loss_fn is not None and loss_fn.needs_sequence_weights:
             self.seq_log_weight = self._sequence_log_weights()
         self.seq_log_ratio: torch.Tensor | None = None  # [R]: GSPO's log-ratio, set by set_current_logprobs
+
+    def _token_fields(self, loss_fn: Objective | None) -> dict[str, torch.Tensor]:
+        """Flat grids of the per-token rollout fields the objective reads; a required one must be present on every
+        rollout with a trained token."""
+        if loss_fn is None:
+            return {}
+        for name in loss_fn.required_fields:
+            for index, (rollout, count) in enumerate(zip(self.tree.rollouts, self.token_counts)):
+                if getattr(rollout, name) is None and count > 0:  # a Rollout field named by the objective
+                    raise RolloutError(index, name, f"is missing, and the {type(loss_fn).__name__} regresses on it",
+                                       "estimate advantages with advantage_estimator='gae' (it writes returns) or "
+                                       "give one value per token")
+        return {name: torch.cat([self._optional(getattr(r, name), len(r)) for r in self.tree.rollouts])
+                for name in loss_fn.token_fields}
 
     def _per_rollout_mean(self, values: torch.Tensor) -> torch.Tensor:
         """Mean over each rollout's trained tokens of a flat per-token tensor (0 for a rollout with none)."""
@@ -164,8 +170,7 @@ class StepData:
                              self.seq_log_weight[rollouts][:, None]),
                          seq_log_ratio=None if self.seq_log_ratio is None else on_device(
                              self.seq_log_ratio[rollouts][:, None]),
-                         returns=None if self.returns is None else on_device(self.returns[index]),
-                         old_values=None if self.old_values is None else on_device(self.old_values[index]))
+                         **{name: on_device(values[index]) for name, values in self.fields.items()})
         token_ids = to_device(self.tokens[index], self.device)
         return ChunkTargets(columns=columns, token_ids=token_ids, data=data, rollouts=rollouts)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_dta.core.losses import PolicyLoss
+from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
@@ -31,7 +31,7 @@ def micro_batches(lengths: list[int], batch_tokens: int | None) -> list[list[int
     return batches
 
 
-def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: PolicyLoss,
+def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
                      sums: dict, batch_tokens: int | None = None) -> torch.Tensor:
     total = torch.zeros((), dtype=step.dtype, device=info.device)
     lengths = [len(t) for t in tree.token_tensors]

@@ -1,27 +1,23 @@
-"""``RolloutDataModule``: rollouts in, one :class:`~lightning_dta.core.batch.StepBatch` per optimizer step out.
+"""``RolloutDataModule``: steps of rollouts in, one :class:`~lightning_dta.core.batch.StepBatch` per optimizer step out.
 
-Every rank reads the same steps, computes the same advantages over the whole step and the same partition,
-and keeps its own share. No ``DistributedSampler`` is involved: a sampler would give each rank different
-*steps*, while here every rank must see every step and differ only in its share of the rollouts.
+Every rank reads the same steps, with the same advantages (estimated over the whole step by the source), computes
+the same partition, and keeps its own share. No ``DistributedSampler`` is involved: a sampler would give each rank
+different *steps*, while here every rank must see every step and differ only in its share of the rollouts.
 
-Sources (exactly one):
+Where steps come from is a :class:`~lightning_dta.contracts.StepSource` (:mod:`lightning_dta.lightning.sources`):
 
-- ``path``: a JSONL rollout file, cut into consecutive steps of ``rollouts_per_step`` rollouts (``None``: the
-  whole file is one step). A last, smaller chunk is kept as a smaller step, not dropped. With an advantage
-  estimator, a cut between two rollouts of the same ``group_id`` is refused: the group would be normalised in
-  two halves. One epoch is one pass over the steps (in a seeded random order with ``shuffle``).
-- ``source``: an iterable that yields one step at a time, each a sequence of :class:`~lightning_dta.Rollout`,
-  or a callable returning such an iterable (called once per epoch, so that a fresh pass can start; this is
-  where an online rollout generator plugs in, e.g. ``lightning_dta.rl.OnlineRolloutSource``). A plain iterator
-  or generator object can be read once: one epoch. Each step is validated when it arrives. A source with a
-  ``len`` (a list of steps, an online source) gives the epoch that many steps, and Lightning then does not
-  prefetch a step ahead of training.
+- ``path``: a JSONL rollout file (:class:`~lightning_dta.lightning.sources.FileSteps`), cut into consecutive steps
+  of ``rollouts_per_step`` rollouts, with this module's ``advantage_estimator``, ``shuffle`` and ``seed``;
+- ``source``: a step source itself (online RL: ``lightning_dta.rl.OnlineRolloutSource``, which estimates its own
+  advantages), or any Python iterable of steps, each a sequence of :class:`~lightning_dta.Rollout`, or a callable
+  returning one (:class:`~lightning_dta.lightning.sources.IterableSteps`, with this module's ``advantage_estimator``).
+  A source with a ``len`` gives the epoch that many steps, and Lightning then does not prefetch a step ahead of
+  training.
 
-Resuming. ``state_dict`` records the epoch and how many of its steps were trained; Lightning saves it in the
-checkpoint and a resumed run starts at the next step (an iterable source is re-read from the start of the
-epoch and the trained steps are skipped). Under a Trainer a step counts as trained when Lightning hands it
-to the training step (``on_before_batch_transfer``), so batches that Lightning prefetched but did not train
-are not counted; standalone, a step counts as soon as it is yielded.
+Resuming. ``state_dict`` records the epoch and how many of its steps were trained, and the source's own state;
+Lightning saves it in the checkpoint and a resumed run starts at the next step. Under a Trainer a step counts as
+trained when Lightning hands it to the training step (``on_before_batch_transfer``), so batches that Lightning
+prefetched but did not train are not counted; standalone, a step counts as soon as it is yielded.
 
 Device transfer. The datamodule's ``transfer_batch_to_device`` hands a ``StepBatch`` over unchanged: the
 tree's token tensors stay in host memory, where the engine indexes them cheaply, and the engine moves each
@@ -32,42 +28,37 @@ field.) If the LightningModule overrides the same hook, Lightning uses the datam
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_dta.core.advantages import check_advantage_estimator, estimate_advantages
+from lightning_dta.contracts import ModelLimits, StepSource
 from lightning_dta.core.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.core.batch import StepBatch
-from lightning_dta.core.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
+from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.model_info import model_limits
+from lightning_dta.lightning.sources import FileSteps, IterableSteps, StepIterable, located
 
-StepSource = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
 
-
-def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *,
-                    advantage_estimator: str | None = None, partition_method: str = "contiguous",
+def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *, partition_method: str = "contiguous",
                     cost_model: CostModel | None = None) -> StepBatch:
-    """This rank's share of one step: advantages over the whole step, then the partition, then the rank's tree.
+    """This rank's share of one step: the partition of the whole step, then the rank's tree.
 
-    Deterministic: every rank calling it on the same step gets the same partition. The rollouts must already
-    be validated (the datamodule validates at its boundary).
+    Deterministic: every rank calling it on the same step gets the same partition. The rollouts must already be
+    validated and their advantages estimated over the whole step (the step sources do both).
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} is outside [0, world_size={world_size})")
-    rollouts = estimate_advantages(rollouts, advantage_estimator)
     step_tree = PrefixTree.from_rollouts(rollouts, validate=False)
     cost_model = cost_model or CostModel()
     assignment = partition(step_tree, world_size, partition_method, cost_model)
@@ -77,41 +68,6 @@ def make_step_batch(rollouts: Sequence[Rollout], rank: int, world_size: int, *,
                      step_stats=step_tree.stats, rank_costs=report.rank_costs,
                      partition_logical_tokens=report.rank_logical_tokens,
                      partition_tree_tokens=report.rank_tree_tokens, rank_features=report.rank_features)
-
-
-@contextlib.contextmanager
-def _located(where: str) -> Iterator[None]:
-    """Prefix a RolloutError with the step it comes from: its index counts within that step."""
-    try:
-        yield
-    except RolloutError as error:
-        error.args = (f"{where}: {error.args[0]}",)
-        raise
-
-
-def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int, critic_estimates: bool = False) -> None:
-    """Warn (once each, with the count) about a file that trains on less than it seems to."""
-    rollouts = [rollout for step in steps for rollout in step]
-    untrained = sum(1 for rollout in rollouts if not any(rollout.mask()))
-    if untrained:
-        warnings.warn(f"{untrained} of {len(rollouts)} rollouts in {path} train no token (their loss_mask is all 0): "
-                      "they add nothing to the loss", UserWarning, stacklevel=3)
-    if len(steps[-1]) < size:
-        warnings.warn(f"the last step of {path} has {len(steps[-1])} rollouts, not rollouts_per_step={size}: its "
-                      "loss is normalised over fewer rollouts", UserWarning, stacklevel=3)
-    flat = [step for step in steps if not any(_has_advantage(rollout) for rollout in step)]
-    if flat and not critic_estimates:  # with "gae" the critic writes the advantages in the step
-        warnings.warn(f"{len(flat)} of {len(steps)} steps of {path} have every advantage 0: their policy gradient is "
-                      "0 (and so is the loss without KL or entropy terms). Fix: set advantage_estimator (e.g. grpo) "
-                      "or write advantages into the file", UserWarning, stacklevel=3)
-
-
-def _has_advantage(rollout: Rollout) -> bool:
-    """Whether a trained token of ``rollout`` has a non-zero advantage."""
-    mask = rollout.mask()
-    if isinstance(rollout.advantages, Sequence):
-        return any(value != 0 for value, trained in zip(rollout.advantages, mask) if trained)
-    return rollout.advantages != 0 and any(mask)
 
 
 def _identity(batch: StepBatch) -> StepBatch:
@@ -161,7 +117,7 @@ class RolloutDataModule(L.LightningDataModule):
             Without a Trainer and without overrides: rank 0 of 1.
     """
 
-    def __init__(self, path: str | Path | None = None, source: StepSource | None = None,
+    def __init__(self, path: str | Path | None = None, source: StepSource | StepIterable | None = None,
                  rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
                  partition_method: str = "contiguous", cost_model: CostModel | None = None,
                  calibrate_cost_model: bool = True,
@@ -174,34 +130,35 @@ class RolloutDataModule(L.LightningDataModule):
         if source is not None and (rollouts_per_step is not None or shuffle):
             raise ValueError("`rollouts_per_step` and `shuffle` apply to a `path` source; an iterable `source` "
                              "yields whole steps in its own order")
-        if rollouts_per_step is not None and rollouts_per_step < 1:
-            raise ValueError(f"rollouts_per_step={rollouts_per_step} must be >= 1 (or None: one step per file)")
         if max_steps_per_epoch is not None and max_steps_per_epoch < 1:
             raise ValueError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
-        check_advantage_estimator(advantage_estimator)
         check_partition_method(partition_method)
+        if isinstance(source, StepSource) and advantage_estimator is not None:
+            raise ValueError(f"advantages would be estimated twice: by data.advantage_estimator="
+                             f"{advantage_estimator!r} and by the {type(source).__name__} itself "
+                             f"({source.advantage_estimator!r}). Fix: set the estimator on the source only (in YAML "
+                             "data.source.init_args.advantage_estimator) and leave data.advantage_estimator unset")
         # Plain values only: checkpoints are loaded with torch.load(weights_only=True), which refuses a Path.
         self.save_hyperparameters({
             "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,
             "advantage_estimator": advantage_estimator, "partition_method": partition_method,
             "calibrate_cost_model": calibrate_cost_model, "shuffle": shuffle, "seed": seed,
             "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions})
-        self.path = None if path is None else Path(path)
-        self.source = source
-        self.rollouts_per_step = rollouts_per_step
-        self.advantage_estimator = advantage_estimator
+        if path is not None:
+            self.source: StepSource = FileSteps(path, rollouts_per_step, advantage_estimator, shuffle, seed)
+        elif isinstance(source, StepSource):
+            self.source = source
+        else:
+            self.source = IterableSteps(source, advantage_estimator)
         self.partition_method = partition_method
         self.cost_model = cost_model or CostModel()
         self.calibrator = CostCalibrator() if calibrate_cost_model else None
-        self.shuffle = shuffle
         self.seed = seed
         self.max_steps_per_epoch = max_steps_per_epoch
-        self.vocab_size = vocab_size
-        self.max_positions = max_positions
+        self.limits = ModelLimits(vocab_size, max_positions)
+        self._limits_given = self.limits
         self._rank = rank
         self._world_size = world_size
-        self._steps: list[list[Rollout]] | None = None  # file source, loaded in setup()
-        self._lines: list[int] = []  # the file's line of each rollout, for errors
         # Progress: the epoch being trained and how many of its steps are done (`finished`: all of them).
         self._epoch = 0
         self._trained = 0
@@ -223,64 +180,39 @@ class RolloutDataModule(L.LightningDataModule):
             return self._world_size
         return self.trainer.world_size if self.trainer is not None else 1
 
+    @property
+    def advantage_estimator(self) -> str | None:
+        """The estimator the source applies (the one place a run states it)."""
+        return self.source.advantage_estimator
+
     @override
     def setup(self, stage: str | None = None) -> None:
-        """Read and validate the file and estimate its advantages (every rank does: each needs every step)."""
-        if self.path is None or self._steps is not None:
-            return
-        rollouts, self._lines = read_rollout_lines(self.path, self.vocab_size, self.max_positions)
-        size = self.rollouts_per_step or len(rollouts)
-        if self.advantage_estimator is not None:
-            for cut in range(size, len(rollouts), size):
-                group = rollouts[cut].group_id
-                if group is not None and rollouts[cut - 1].group_id == group:
-                    raise RolloutError(cut, "group_id", f"group {group!r} is split between steps {cut // size - 1} "
-                                       f"and {cut // size} (rollouts_per_step={size}), so its advantages would be "
-                                       "estimated in two halves", "make rollouts_per_step a multiple of the "
-                                       "group size, or keep each group's rollouts together in the file",
-                                       self._location(cut))
-        steps = []
-        for number, start in enumerate(range(0, len(rollouts), size)):
-            step = rollouts[start:start + size]
-            try:
-                steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
-            except RolloutError as fault:  # the index counts within the step: name the file's rollout and line
-                index = start + (fault.index or 0)
-                raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
-                                   self._location(index)) from None
-        self._steps = steps
-        _warn_about_file(self.path, steps, size, critic_estimates=self.advantage_estimator == "gae")
-
-    def _location(self, index: int) -> str:
-        return f"{self.path}:{self._lines[index]}"
+        """Read and validate a file and estimate its advantages (every rank does: each needs every step)."""
+        if isinstance(self.source, FileSteps):
+            self.source.load(self.limits)
 
     def connect_model(self, model: nn.Module) -> None:
         """Check rollouts against ``model``'s limits (vocabulary, positions) from now on, where they were not given
         explicitly. ``DTAModule`` calls it when fitting starts, so a config states the limits once: in the model."""
         vocab_size, max_positions = model_limits(model)
-        self.vocab_size = self.vocab_size if self.vocab_size is not None else vocab_size
-        self.max_positions = self.max_positions if self.max_positions is not None else max_positions
-        if self._steps is not None:  # a file already read: check it now, before the first step
-            rollouts = [rollout for step in self._steps for rollout in step]
-            validate_rollouts(rollouts, self.vocab_size, self.max_positions, source=str(self.path),
-                              locations=[self._location(index) for index in range(len(rollouts))])
+        given = self._limits_given
+        self.limits = ModelLimits(given.vocab_size if given.vocab_size is not None else vocab_size,
+                                  given.max_positions if given.max_positions is not None else max_positions)
+        if isinstance(self.source, FileSteps):  # a file already read: check it now, before the first step
+            self.source.load(self.limits)
 
     @property
     def steps_per_epoch(self) -> int | None:
-        """Number of steps in one epoch: ``len(source)`` for a source with a length (a list of steps, an online
-        rollout source), ``None`` for other iterable sources (unknown in advance).
+        """Number of steps in one epoch: ``len(source)`` for a source with a length (a file, a list of steps, an
+        online rollout source), ``None`` for other iterable sources (unknown in advance).
 
         A known length matters beyond progress bars: Lightning prefetches one batch from a loader without a
         length, so an online source would generate step k+1 before step k is trained (one step off policy).
         """
-        if self.source is not None:
-            if not isinstance(self.source, Sized):
-                return None
+        try:
             steps = len(self.source)
-        else:
-            self.setup()
-            assert self._steps is not None
-            steps = len(self._steps)
+        except TypeError:
+            return None
         return steps if self.max_steps_per_epoch is None else min(steps, self.max_steps_per_epoch)
 
     @override
@@ -297,26 +229,6 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ iteration
 
-    def _step_rollouts(self, epoch: int) -> Iterator[tuple[str, list[Rollout]]]:
-        """The steps of one epoch from its start, each with a label for error messages, validated."""
-        if self.source is None:
-            assert self._steps is not None
-            order = np.arange(len(self._steps))
-            if self.shuffle:  # the same permutation on every rank: it depends only on (seed, epoch)
-                order = np.random.default_rng([self.seed, epoch]).permutation(len(self._steps))
-            yield from ((f"step {i} of {self.path}", self._steps[i]) for i in order)
-            return
-        steps = self.source() if callable(self.source) else self.source
-        for number, step in enumerate(steps):
-            if isinstance(step, Rollout):
-                raise TypeError("the source yielded a single Rollout; it must yield one sequence of rollouts per "
-                                "step (group a flat stream into steps first)")
-            step = list(step)
-            label = f"step {number} of the source (epoch {epoch})"
-            with _located(label):
-                validate_rollouts(step, vocab_size=self.vocab_size, max_positions=self.max_positions)
-            yield label, step
-
     def _iterate_epoch(self) -> Iterator[StepBatch]:
         """Yield this rank's batches from the first untrained step of the current epoch to its end."""
         known_end = self.steps_per_epoch
@@ -327,18 +239,15 @@ class RolloutDataModule(L.LightningDataModule):
         self._update_finished()
         self._pending.clear()
         rank, world_size = self.rank, self.world_size
-        steps = itertools.islice(self._step_rollouts(epoch), self.max_steps_per_epoch)
-        if not self._source_resumes_itself:  # read the epoch again from its start, skipping the trained steps
-            steps = itertools.islice(steps, start, None)
+        steps = self.source.steps(epoch, start, self.limits)
+        if self.max_steps_per_epoch is not None:
+            steps = itertools.islice(steps, max(self.max_steps_per_epoch - start, 0))
         end = start
-        estimator = self.advantage_estimator if self.source is not None else None  # a file's are estimated
         for position, (label, rollouts) in enumerate(steps, start=start):
-            with _located(label):
-                batch = make_step_batch(rollouts, rank, world_size, advantage_estimator=estimator,
-                                        partition_method=self.partition_method, cost_model=self.cost_model)
-                prepare = getattr(self.source, "prepare_batch", None)
-                if callable(prepare):  # e.g. the online source's log-probs on this rank's share only
-                    prepare(batch)
+            with located(label):
+                batch = make_step_batch(rollouts, rank, world_size, partition_method=self.partition_method,
+                                        cost_model=self.cost_model)
+                self.source.prepare_batch(batch)  # e.g. the online source's log-probs on this rank's share only
             end = position + 1
             if self.trainer is None:
                 self._trained = end  # standalone: handed out = trained
@@ -354,12 +263,6 @@ class RolloutDataModule(L.LightningDataModule):
 
     def _update_finished(self) -> None:
         self._finished = self._epoch_end is not None and self._trained >= self._epoch_end
-
-    @property
-    def _source_resumes_itself(self) -> bool:
-        """A source with its own state (the online source) continues where it stopped: nothing to skip, and nothing
-        generated again just to be skipped."""
-        return callable(getattr(self.source, "load_state_dict", None))
 
     def observe_step(self, batch: StepBatch, rank_seconds: Sequence[float]) -> None:
         """Every rank's measured DFS seconds for ``batch`` (the same numbers on every rank): with
@@ -392,13 +295,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the number of its steps already trained (Lightning stores it in checkpoints)."""
-        state = {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
-                 "steps_per_epoch": self.steps_per_epoch, "seed": self.seed,
-                 "cost_model": dataclasses.asdict(self.cost_model)}
-        if self._source_resumes_itself:
-            state["source"] = self.source.state_dict()
-        return state
+        """The epoch and the number of its steps already trained, and the source's state (Lightning stores it in
+        checkpoints)."""
+        return {"epoch": self._epoch, "trained_steps": self._trained, "epoch_finished": self._finished,
+                "steps_per_epoch": self.steps_per_epoch, "seed": self.seed,
+                "cost_model": dataclasses.asdict(self.cost_model), "source": self.source.state_dict()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -414,5 +315,5 @@ class RolloutDataModule(L.LightningDataModule):
         self._pending.clear()
         if "cost_model" in state_dict:
             self.cost_model = CostModel(**state_dict["cost_model"])
-        if self._source_resumes_itself and "source" in state_dict:
+        if "source" in state_dict:
             self.source.load_state_dict(state_dict["source"])

@@ -8,14 +8,16 @@ DDP-based one would have to rewrite: a device mesh, sharded checkpoints through 
 and meta-device initialisation. What this strategy adds:
 
 - sharding: each decoder layer (found from the model's ``_no_split_modules``, or ``wrap_modules``) and the root,
-  in ``setup``, with the Trainer's precision: ``bf16-mixed`` keeps float32 shards and computes in bfloat16
-  (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``); ``bf16-true`` shards bfloat16 weights
-  and sums gradients in float32; ``32-true`` is plain float32. ``reshard_after_forward`` and ``cpu_offload`` are
-  FSDP2's own options (the DFS step itself always runs unsharded, see :mod:`lightning_dta.distributed.sharding`);
+  applied by the module in ``configure_model`` from this strategy's :class:`~lightning_dta.contracts.ParallelLayout`
+  (Lightning's ``ModelParallelStrategy`` convention), with the Trainer's precision: ``bf16-mixed`` keeps float32
+  shards and computes in bfloat16 (``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``);
+  ``bf16-true`` shards bfloat16 weights and sums gradients in float32; ``32-true`` is plain float32.
+  ``reshard_after_forward`` and ``cpu_offload`` are FSDP2's own options (the DFS step itself always runs unsharded, see
+  :mod:`lightning_dta.distributed.sharding`);
 - a model given as a local Hugging Face checkpoint (or a hub name, downloaded once) is built on the meta device
   and loaded into the shards (every rank reads only its slices): no rank ever holds the whole model;
 - the DFS step: one all-gather per unit before the walk, no collective during it (every rank walks its own tree),
-  one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.lightning.step.tree_step_backward`);
+  one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.distributed.step.tree_step_backward`);
 - the failure watchdog of ``DTAStrategy`` (:mod:`lightning_dta.distributed.faults`), and the same refusals (automatic
   optimization, ``16-mixed``).
 
@@ -32,11 +34,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from torch import nn
 from typing_extensions import override
 
+from lightning_dta.contracts import ParallelLayout, Sharding
 from lightning_dta.distributed.faults import FailureWatchdogMixin
-from lightning_dta.distributed.sharding import ShardingError, load_hf_checkpoint, materialize, shard
+from lightning_dta.distributed.sharding import ShardingError, is_sharded
+from lightning_dta.lightning.step import check_dfs_setup
 
 
 class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
@@ -53,7 +56,6 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
     """
 
     strategy_name = "dta_fsdp"
-    shards_model = True  # DTAModule builds a checkpoint-path model on the meta device for it
 
     def __init__(self, wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, save_distributed_checkpoint: bool = True,
@@ -72,49 +74,45 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
         super().setup_environment()
         self._start_failure_watchdog()
 
-    def _mixed_precision(self):
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """Every rank walks its own tree on FSDP2-sharded weights: the module shards its model over the mesh's
+        ``data_parallel`` dimension in ``configure_model``
+        (:func:`~lightning_dta.distributed.parallelize.parallelize_model`), with this strategy's options and the
+        Trainer's precision."""
+        return ParallelLayout(device_mesh=self.device_mesh, sharding=self._sharding())
+
+    def _sharding(self) -> Sharding:
+        """``bf16-mixed`` keeps float32 shards and computes in bfloat16; ``bf16-true``/``16-true`` shard half-precision
+        weights and sum gradients in float32; ``32-true`` is plain float32."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        precision = getattr(self.precision_plugin, "precision", "32-true")
+        precision = self.precision_plugin.precision
+        mp_policy, param_dtype = None, None
         if precision == "bf16-mixed":
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if precision in ("bf16-true", "16-true"):
-            return MixedPrecisionPolicy(reduce_dtype=torch.float32)
-        return None
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        elif precision in ("bf16-true", "16-true"):
+            mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            param_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float16
+        return Sharding(wrap_modules=tuple(self.wrap_modules) if self.wrap_modules else None,
+                        reshard_after_forward=self.reshard_after_forward, offload=self.cpu_offload,
+                        param_dtype=param_dtype, mp_policy=mp_policy)
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Shard the causal LM (and load it into the shards when it was built on the meta device), then
-        Lightning's setup: device, precision, optimizers over the shards."""
-        module = self.lightning_module
-        if module is not None and module.automatic_optimization:
-            raise RuntimeError(
-                "strategy='dta_fsdp' trains manual-optimization modules that run one DFS step per batch (DTAModule, or "
-                "a module calling lightning_dta.dfs_training_step). Fix: set `self.automatic_optimization = False`.")
-        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
-            raise RuntimeError("precision='16-mixed' scales the loss in manual_backward, which a DFS step does not "
-                               "call. Fix: precision='bf16-mixed', 'bf16-true' or '32-true'.")
+        """Check the set-up and that the module sharded its model in ``configure_model``, then Lightning's setup:
+        device, precision, optimizers over the shards."""
+        check_dfs_setup(self)
         if self.cpu_offload and self.root_device.type == "cpu":
             raise ShardingError("cpu_offload keeps the shards in CPU memory between their uses on a GPU; the model "
                                 "already runs on the CPU. Fix: cpu_offload=False (or train on GPUs)")
-        model = getattr(module, "model", None)
-        if not isinstance(model, nn.Module):
-            raise ShardingError(f"strategy='dta_fsdp' shards `{type(module).__name__}.model`, the causal LM; it is "
-                                f"{type(model).__name__}. Fix: keep the model in `self.model` (as DTAModule does)")
-        on_meta = any(p.is_meta for p in model.parameters())
-        buffers = {name: b for name, b in model.named_buffers() if not b.is_meta}
-        if getattr(self.precision_plugin, "precision", None) in ("bf16-true", "16-true"):
-            model.to(dtype=torch.bfloat16 if self.precision_plugin.precision == "bf16-true" else torch.float16)
-        shard(model, self.device_mesh["data_parallel"], mp_policy=self._mixed_precision(),
-              reshard_after_forward=self.reshard_after_forward, offload=self.cpu_offload,
-              wrap_modules=self.wrap_modules)
-        if on_meta:
-            checkpoint = getattr(module, "hf_checkpoint", None)
-            if checkpoint is None:
-                raise ShardingError("the model was built on the meta device but there is no checkpoint to load "
-                                    "into its shards. Fix: give DTAModule a local checkpoint path or a hub name")
-            materialize(model, self.root_device, buffers)
-            load_hf_checkpoint(model, checkpoint)
+        module = self.lightning_module
+        if not any(is_sharded(child) for child in module.children()):
+            raise ShardingError(
+                f"strategy='dta_fsdp' found no FSDP2-sharded model in {type(module).__name__}: under this strategy the "
+                "module shards its causal LM in configure_model, as DTAModule does. Fix: in configure_model call "
+                "lightning_dta.parallelize_model(self.model, self.trainer.strategy.parallel_layout, "
+                "self.trainer.strategy.root_device)")
         super().setup(trainer)
 
     @classmethod

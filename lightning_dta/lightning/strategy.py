@@ -3,7 +3,8 @@
 A DFS step runs one backward per tree node. ``DistributedDataParallel`` reduces gradients from autograd hooks
 during backward, so it would all-reduce once per node, or, under ``no_sync``, leave a parameter touched only in
 ``no_sync`` backwards silently unsynced (``docs/traps.md``). This strategy therefore keeps every rank's module
-unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.lightning.step`) relies on:
+unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.distributed.step`) relies on, offered to it as a
+:class:`~lightning_dta.contracts.ParallelLayout` (``parallel_layout``):
 
 - identical weights on every rank: rank 0's parameters and buffers are broadcast at setup (also after a
   checkpoint restore, which Lightning does before ``Strategy.setup``);
@@ -24,7 +25,7 @@ processes, as ``"ddp_notebook"``; for notebooks, CPU or before CUDA is initialis
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -39,8 +40,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_dta.distributed.collectives import DEFAULT_BUCKET_MB, broadcast_module
+from lightning_dta.contracts import DEFAULT_BUCKET_MB, ParallelLayout
+from lightning_dta.distributed.collectives import broadcast_module
 from lightning_dta.distributed.faults import FailureWatchdogMixin
+from lightning_dta.lightning.step import check_dfs_setup
 
 
 class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
@@ -69,6 +72,11 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.bucket_mb = float(bucket_mb)
+
+    @property
+    def parallel_layout(self) -> ParallelLayout:
+        """Every rank walks its own tree with replicated weights; the step's sums run over every rank."""
+        return ParallelLayout(bucket_mb=self.bucket_mb)
 
     @property
     def _single_process(self) -> bool:
@@ -103,6 +111,7 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
         fitting and otherwise syncs module states through the default process group, which a single-process
         ``DTAStrategy`` never creates; ``broadcast_module`` serves both cases and is a no-op on one process."""
         assert self.accelerator is not None and self.model is not None
+        check_dfs_setup(self)
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync:
@@ -119,16 +128,6 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         """Nothing to wrap (kept so code that calls ``DDPStrategy.configure_ddp`` still works)."""
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        lm = self.lightning_module
-        if lm is not None and lm.automatic_optimization:
-            raise RuntimeError(
-                "strategy='dta' does not synchronise gradients in backward (there is no DDP wrapper); it serves "
-                "manual-optimization modules that sum them once per step, such as DTAModule or any module that "
-                "calls lightning_dta.dfs_training_step. Fix: set `self.automatic_optimization = False`.")
-        return super().training_step(*args, **kwargs)
 
     @classmethod
     @override

@@ -9,21 +9,24 @@ shape (seconds for an 8B shape), then the training walk's schedule runs dry (:mo
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from jsonargparse import ArgumentParser, Namespace
+
+from lightning_dta.cli import add_engine_options
 from lightning_dta.core.balance import partition
 from lightning_dta.core.rollout import RolloutError, read_rollouts
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.options import EngineOptions
-from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step, standard_modes
+from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step
 from lightning_dta.plan.rates import probe_rates
 from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_count
 from lightning_dta.shapes.models import PRESETS, model_config
+from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, planned_modes
 from lightning_dta.shapes.workloads import WORKLOADS
 
 UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
@@ -71,16 +74,14 @@ def load_config(model: str):
     return config
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-dta plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False)
     parser.add_argument("--model", default="bench",
                         help=f"a preset ({', '.join(['bench', *sorted(PRESETS)])}), a config.json or a model "
                         "directory (default: bench, the bench's 4-layer model)")
-    step = parser.add_mutually_exclusive_group()
-    step.add_argument("--workload", default="agent", choices=sorted(WORKLOADS),
-                      help="a bench workload as the step (default: agent)")
-    step.add_argument("--rollouts", default=None, help="a rollout JSONL file as the step")
+    parser.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
+                        help="a bench workload as the step (default: agent)")
+    parser.add_argument("--rollouts", default=None, help="a rollout JSONL file as the step (instead of --workload)")
     parser.add_argument("--precision", default="bf16-true", choices=sorted(PRECISIONS),
                         help="Lightning precision: weights, gradients and optimizer state, and activations")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
@@ -89,26 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", default=1, type=int, help="data-parallel ranks the step is split over")
     parser.add_argument("--memory", default=None, help="accelerator memory per rank (80GB, 80GiB, ...): list the "
                         f"engine options that fit in it, less {HEADROOM:.0%} headroom")
-    parser.add_argument("--recompute-chunk", default=2048, type=int, help="chunk_size of the dfs-recompute row")
-    parser.add_argument("--sibling-batch-tokens", default=EngineOptions().sibling_batch_tokens, type=int,
-                        help="dfs sibling batch budget (0: off)")
+    parser.add_argument("--recompute-chunk", default=RECOMPUTE_CHUNK, type=int,
+                        help="chunk_size of the dfs-recompute row")
+    add_engine_options(parser)
     parser.add_argument("--seed", default=0, type=int, help="seed of the bench workload")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
     return parser
 
 
-def _rank_trees(args: argparse.Namespace, config) -> tuple[list[PrefixTree], str]:
+def _rank_trees(args: Namespace, config) -> tuple[list[PrefixTree], str]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if args.rollouts and args.workload:
+        raise PlanError("give --workload or --rollouts, not both")
     if args.rollouts:
         rollouts, what = read_rollouts(args.rollouts), args.rollouts
     else:
-        rollouts, what = WORKLOADS[args.workload].generate(text.vocab_size, args.seed), f"workload {args.workload}"
+        workload = args.workload or "agent"
+        rollouts, what = WORKLOADS[workload].generate(text.vocab_size, args.seed), f"workload {workload}"
     if not rollouts:
         raise PlanError(f"{what} holds no rollouts")
     if args.devices < 1:
         raise PlanError(f"--devices {args.devices}: use 1 or more")
     shares = partition(rollouts, args.devices) if args.devices > 1 else [list(range(len(rollouts)))]
     trees = [PrefixTree.from_rollouts([rollouts[i] for i in share], vocab_size=text.vocab_size,
+                                      # optional config fields: not every model family has them
                                       max_positions=getattr(text, "max_position_embeddings", None))
              for share in shares if share]
     return trees, what
@@ -128,15 +133,16 @@ def _worst(plans: list[StepPlan]) -> dict[str, dict]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        return _run(args)
+        return _run(args, parser)
     except (PlanError, RolloutError, OSError) as error:  # OSError: a rollout file that cannot be read
         print(f"lightning-dta plan: error: {error}", file=sys.stderr)
         return 2
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: Namespace, parser: ArgumentParser) -> int:
     memory = parse_bytes(args.memory) if args.memory is not None else None
     config = load_config(args.model)
     trees, what = _rank_trees(args, config)
@@ -146,11 +152,11 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise PlanError(str(error)) from error
     rates = probe_rates(config, PRECISIONS[args.precision][1])
+    engine = parser.instantiate(args).engine
     try:
-        engine = EngineOptions(sibling_batch_tokens=args.sibling_batch_tokens or None)
-        modes = standard_modes(engine, args.recompute_chunk)
+        modes = planned_modes(engine, args.recompute_chunk)
     except ValueError as error:
-        raise PlanError(f"{error} (--sibling-batch-tokens, --recompute-chunk)") from error
+        raise PlanError(f"{error} (--recompute-chunk)") from error
     plans = [plan_step(tree, config, rates, state, modes) for tree in trees]
     worst = _worst(plans)
     logical = sum(t.stats.logical_tokens for t in trees)

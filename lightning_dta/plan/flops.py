@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_dta.core.tree import PrefixTree, attention_pairs, causal_pairs
+
 
 @dataclass(frozen=True)
 class ModelShape:
@@ -24,7 +26,9 @@ class ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
+                   # optional config fields: not every model family has them
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   # optional config fields: not every model family has them
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                    intermediate=text.intermediate_size, vocab=text.vocab_size)
 
@@ -50,10 +54,19 @@ class ModelShape:
                       + positions * self.head_macs_per_position)
 
 
-def causal_pairs(start: int, length: int) -> int:
-    """(query, key) pairs of ``length`` new tokens after a prefix of ``start``: each attends to the prefix and to
-    itself and the new tokens before it."""
-    return length * start + length * (length + 1) // 2
+def speedup_limit(shape: ModelShape, tree: PrefixTree, head_positions: int | None) -> float:
+    """The speed-up perfect kernels would give: per-rollout FLOPs / tree FLOPs of the same forwards (the backward
+    multiplies both by the same factor). Linear layers scale with computed tokens (logical vs tree), attention with
+    (query, key) pairs (per-rollout causal squares vs each node's queries against its prefix). ``head_positions``:
+    training projects the LM head only on the trained tokens, the same number in both (the tree does not share
+    them); ``None`` (forward-only log-probs) projects every position, which the tree shares like the linear layers."""
+    lengths = [len(tokens) for tokens in tree.token_tensors]
+    logical, tree_tokens = sum(lengths), tree.stats.tree_tokens
+    vanilla = shape.forward_flops(logical, sum(causal_pairs(0, n) for n in lengths),
+                                  logical if head_positions is None else head_positions)
+    walked = shape.forward_flops(tree_tokens, attention_pairs(tree),
+                                 tree_tokens if head_positions is None else head_positions)
+    return vanilla / walked
 
 
 @dataclass

@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_dta.bench.runner import ModeSpec
 from lightning_dta.core.losses import PolicyLoss
-from lightning_dta.core.tree import PrefixTree
+from lightning_dta.core.tree import PrefixTree, causal_pairs
 from lightning_dta.engine.activation_budget import ActivationBudget, path_kv_bytes
 from lightning_dta.engine.cousins import PendingChunks, successors
 from lightning_dta.engine.dfs import DFSSchedule
@@ -26,9 +25,10 @@ from lightning_dta.engine.step_data import StepData
 from lightning_dta.engine.token_scores import BLOCK_ELEMENTS
 from lightning_dta.engine.vanilla import micro_batches
 from lightning_dta.engine.walk import Chunk, order_children
-from lightning_dta.plan.flops import ModelShape, WorkCount, causal_pairs
+from lightning_dta.plan.flops import ModelShape, WorkCount
 from lightning_dta.plan.rates import ActivationRates
 from lightning_dta.plan.state import TrainingState
+from lightning_dta.shapes.modes import ModeSpec, planned_modes
 
 HEADROOM = 0.10  # of the accelerator's memory left to the allocator's fragmentation and the runtime's context
 RECOMPUTE_CHUNKS = (4096, 2048, 1024, 512, 256)  # chunk sizes tried for dfs recompute, largest (fewest calls) first
@@ -209,17 +209,6 @@ def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, dt
     return prediction, vanilla
 
 
-def standard_modes(engine: EngineOptions | None = None, recompute_chunk: int = 2048) -> dict[str, ModeSpec]:
-    """vanilla, vanilla with activation checkpointing, dfs keep and dfs recompute (``recompute_chunk`` tokens per
-    chunk), with ``engine``'s sibling batching and order."""
-    engine = engine or EngineOptions()
-    keep = dataclasses.replace(engine, mode="dfs", activation="keep", activation_memory_budget=None)
-    vanilla = EngineOptions(mode="vanilla")
-    return {"vanilla": ModeSpec(vanilla), "vanilla-ckpt": ModeSpec(vanilla, activation_checkpointing=True),
-            "dfs": ModeSpec(keep),
-            "dfs-recompute": ModeSpec(dataclasses.replace(keep, activation="recompute", chunk_size=recompute_chunk))}
-
-
 def predict_mode(name: str, spec: ModeSpec, tree: PrefixTree, config, rates: ActivationRates,
                  state: TrainingState, step: StepData | None = None) -> ModePrediction:
     """One mode's prediction (dfs or vanilla, with or without activation checkpointing)."""
@@ -236,9 +225,9 @@ def predict_mode(name: str, spec: ModeSpec, tree: PrefixTree, config, rates: Act
 
 def plan_step(tree: PrefixTree, config, rates: ActivationRates, state: TrainingState,
               modes: dict[str, ModeSpec] | None = None, loss_fn: PolicyLoss | None = None) -> StepPlan:
-    """Predict the step of ``tree`` under each of ``modes`` (default :func:`standard_modes`), and the forward-only
+    """Predict the step of ``tree`` under each of ``modes`` (default: ``planned_modes()``), and the forward-only
     walk with the dfs mode's options."""
-    modes = modes or standard_modes()
+    modes = modes or planned_modes()
     step = StepData(tree, loss_fn or PolicyLoss())
     predictions = {name: predict_mode(name, spec, tree, config, rates, state, step) for name, spec in modes.items()}
     walk_engine = next((s.engine for s in modes.values() if s.engine.mode == "dfs"), EngineOptions())

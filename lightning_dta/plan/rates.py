@@ -86,6 +86,7 @@ def clone_config(config, layers: int, vocab: int):
     text = clone.get_text_config() if hasattr(clone, "get_text_config") else clone
     text.num_hidden_layers = layers
     text.vocab_size = vocab
+    # optional config fields: not every model family has them
     if getattr(text, "layer_types", None):
         text.layer_types = list(text.layer_types[:layers])
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):

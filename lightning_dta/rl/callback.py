@@ -26,8 +26,10 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.distributed.collectives import all_gather_floats, broadcast_module
 from lightning_dta.distributed.sharding import is_sharded
+from lightning_dta.lightning.data import RolloutDataModule
 from lightning_dta.rl.plot import save_reward_plot
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.warmup import WarmStartResult, sft_warm_start
@@ -85,17 +87,13 @@ class OnlineRLCallback(Callback):
     @staticmethod
     def _find_source(trainer: Trainer, pl_module: LightningModule) -> OnlineRolloutSource:
         datamodule = trainer.datamodule
-        source = getattr(datamodule, "source", None)
+        source = datamodule.source if isinstance(datamodule, RolloutDataModule) else None
         if not isinstance(source, OnlineRolloutSource):
             raise TypeError("OnlineRLCallback needs a RolloutDataModule whose source is an OnlineRolloutSource: "
                             "trainer.fit(module, datamodule=RolloutDataModule(source=OnlineRolloutSource(...))); got "
                             f"{type(datamodule).__name__} with source {type(source).__name__}")
-        if source.advantage_estimator is not None and getattr(datamodule, "advantage_estimator", None) is not None:
-            raise ValueError(f"advantages would be estimated twice: by the source ({source.advantage_estimator!r}, "
-                             f"per episode) and by the data module ({datamodule.advantage_estimator!r}, per call, "
-                             "overwriting them). Fix: set data.advantage_estimator to null")
-        loss_fn = getattr(pl_module, "loss_fn", None)
-        if getattr(loss_fn, "kl_coef", 0.0) > 0 and not source.ref_logprobs:
+        loss_fn = getattr(pl_module, "loss_fn", None)  # a user's module: DTAModule's loss, if it has one
+        if isinstance(loss_fn, PolicyLoss) and loss_fn.kl_coef > 0 and not source.ref_logprobs:
             raise ValueError(f"kl_coef={loss_fn.kl_coef} but the rollouts carry no reference log-probs, so the KL "
                              "term would be silently zero. Fix: OnlineRolloutSource(ref_logprobs=True), or kl_coef=0")
         return source
@@ -106,7 +104,7 @@ class OnlineRLCallback(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         source = self._find_source(trainer, pl_module)
         policy = self._policy(pl_module)
-        engine = getattr(pl_module, "engine", None)  # DTAModule's EngineOptions: every engine call uses them
+        engine = getattr(pl_module, "engine", None)  # a user's module: DTAModule's EngineOptions, if it has them
         if self.sft_warmup_steps and trainer.global_step == 0:
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,

@@ -51,6 +51,7 @@ from typing import Any, Literal
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_dta.contracts import ModelLimits
 from lightning_dta.core.advantages import check_advantage_estimator
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.rollout import Rollout
@@ -58,6 +59,7 @@ from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank, world_size
 from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.engine import EngineOptions
+from lightning_dta.lightning.sources import validated_step
 from lightning_dta.rl.environment import Environment, run_episodes
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
@@ -94,7 +96,7 @@ class OnlineRolloutSource:
             step and given to each of its calls, so an episode with more calls does not weigh more in its group's
             baseline. ``"gae"``: each call carries its episode's reward and ``DTAModule(critic=...)`` estimates
             the advantages in the training step from its critic's values. Leave the data module's own
-            ``advantage_estimator`` unset (the callback refuses both).
+            ``advantage_estimator`` unset (the data module refuses both).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
@@ -137,7 +139,7 @@ class OnlineRolloutSource:
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.steps_per_epoch = steps_per_epoch
         self.rollout_mode, self.max_staleness = rollout_mode, max_staleness
-        self.placement: Placement = placement or getattr(self.generator, "placement", "colocated")
+        self.placement: Placement = placement or self.generator.placement
         self.generation_blocks = generation_blocks
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
         self.ref_logprobs = ref_logprobs
@@ -161,12 +163,14 @@ class OnlineRolloutSource:
         """Steps per epoch. Having a length stops Lightning from prefetching a step (see module docstring)."""
         return self.steps_per_epoch
 
-    def __call__(self) -> Iterator[list[Rollout]]:
+    def steps(self, epoch: int, start: int, limits: ModelLimits) -> Iterator[tuple[str, list[Rollout]]]:
         """The rest of the current epoch: whole steps (advantages set; :meth:`prepare_batch` adds the log-probs
-        on each rank's share), generated (or taken from the background thread) on demand."""
+        on each rank's share), generated (or taken from the background thread) on demand. The source keeps its own
+        position (:meth:`state_dict`), so a resumed run continues where it stopped and ``start`` adds nothing."""
         end = (self._next_index // self.steps_per_epoch + 1) * self.steps_per_epoch
         while self._next_index < end:
-            yield self.next_rollouts()
+            label = f"step {self._next_index} of the online source"
+            yield label, validated_step(self.next_rollouts(), label, limits)
 
     def prepare_batch(self, batch: StepBatch) -> None:
         """Complete this rank's share of the step: proximal and reference log-probs on its tree only. Every rank
@@ -206,11 +210,13 @@ class OnlineRolloutSource:
             raise ValueError(f"the tokenizer {type(self.tokenizer).__name__} has no eos_token_id: generation could "
                              "not stop and the policy could not learn to stop. Fix: set tokenizer.eos_token (or "
                              "pass stop_token_ids to the generator and an eos to the tokenizer)")
+        # a user's model: not every nn.Module carries a Hugging Face config
         vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
         if vocab is not None and len(self.tokenizer) > vocab:
             raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}; "
                              f"set the model's vocab_size to at least {len(self.tokenizer)}")
         if self.max_context is None:
+            # a user's model: not every nn.Module carries a Hugging Face config
             self.max_context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
         self._rank, self._world_size = rank(), world_size()
         self.policy = policy

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import lightning_dta as dta
 from lightning_dta.bench.cli import build_parser, main
 
 
@@ -12,7 +13,7 @@ def test_bench_small_run_writes_json_and_plots(tmp_path, capsys):
             "--grpo-prompts", "1", "--grpo-group", "3", "--grpo-prompt-len", "24,30", "--grpo-response-len", "4,9",
             "--agent-episodes", "1", "--agent-turns", "2", "--agent-system-len", "32", "--agent-thinking-len", "4,8",
             "--tree-prompt-len", "16", "--tree-branching", "2,2", "--memory-leaves", "2,4", "--long-len", "64",
-            "--chunk-size", "16", "--no-progress", "--out", str(tmp_path),
+            "--recompute-chunk", "16", "--no-progress", "--out", str(tmp_path),
             "--modes", "vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute,prefix-grouper"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -47,15 +48,19 @@ def test_bench_help_documents_every_option():
 
 
 def test_flop_limit_of_known_shapes():
-    from lightning_dta.bench.report import flop_speedup_limit
+    from lightning_dta.plan.flops import ModelShape, speedup_limit
 
-    model = (16, 2, 40, 64)  # hidden, layers, intermediate, vocab
+    model = ModelShape(layers=2, hidden=16, heads=2, kv_heads=2, head_dim=8, intermediate=40, vocab=64)
+
+    def tree(*rollouts: list[int]) -> dta.PrefixTree:
+        return dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=ids) for ids in rollouts])
+
     # two identical 10-token rollouts: one 10-token node; forward-only shares everything, so the limit is 2
-    assert flop_speedup_limit([(0, 10)], [10, 10], None, *model) == 2.0
+    assert speedup_limit(model, tree(list(range(10)), list(range(10))), None) == 2.0
     # no sharing: 1 whatever the head does
-    assert flop_speedup_limit([(0, 5), (0, 7)], [5, 7], 6, *model) == 1.0
+    assert speedup_limit(model, tree(list(range(5)), list(range(10, 17))), 6) == 1.0
     # a shared 8-token prompt, two 4-token responses: linear-only compression is 24 / 16 = 1.5; training's head
     # on trained tokens and the responses' attention over the prompt are not shared, so the limit is lower
-    training = flop_speedup_limit([(0, 8), (8, 4), (8, 4)], [12, 12], 6, *model)
-    forward = flop_speedup_limit([(0, 8), (8, 4), (8, 4)], [12, 12], None, *model)
+    shared = tree(list(range(8)) + [20, 21, 22, 23], list(range(8)) + [30, 31, 32, 33])
+    training, forward = speedup_limit(model, shared, 6), speedup_limit(model, shared, None)
     assert 1.0 < training < forward < 1.5

@@ -11,16 +11,22 @@ from lightning_dta import PrefixTree, Rollout
 from lightning_dta.core.balance import (
     CostCalibrator,
     CostModel,
-    attention_pairs,
     attention_weight_for,
-    calibrate,
     partition,
     partition_contiguous,
     partition_greedy,
     partition_report,
-    segment_cost,
-    tree_cost,
+    tree_features,
 )
+from lightning_dta.core.tree import attention_pairs
+
+
+def segment_cost(start: int, end: int, weight: float = CostModel().attention) -> float:
+    return CostModel.coerce(weight).segment(start, end)
+
+
+def tree_cost(tree: PrefixTree, weight: float = CostModel().attention) -> float:
+    return CostModel.coerce(weight).of(tree_features(tree))
 
 METHODS = ("contiguous", "greedy")
 
@@ -219,16 +225,6 @@ def test_bad_arguments_are_refused():
         partition_report(rollouts, [[0, 1, 2, 3], [3, 4, 5, 6, 7]])
     with pytest.raises(ValueError, match="rollout 7 is assigned to no rank"):
         partition_report(rollouts, [[0, 1, 2, 3], [4, 5, 6]])
-
-
-def test_calibrate_recovers_the_attention_weight():
-    rng = random.Random(5)
-    trees = [PrefixTree.from_rollouts(group(rng, p, k, (r, r + 50))) for p, k, r in
-             [(50, 4, 20), (400, 2, 300), (100, 16, 50), (900, 3, 10), (10, 8, 600)]]
-    seconds = [2e-4 * t.stats.tree_tokens + 3e-8 * attention_pairs(t) for t in trees]
-    assert calibrate(trees, seconds) == pytest.approx(3e-8 / 2e-4, rel=1e-6)
-    with pytest.raises(ValueError, match="two trees"):
-        calibrate(trees[:1], seconds[:1])
 
 
 def brute_force(rollouts, world_size, weight):

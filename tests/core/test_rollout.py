@@ -72,7 +72,7 @@ def test_tree_backward_checks_the_model_limits():
     model = make_model("llama")
     tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3]), dta.Rollout(input_ids=[1, 2, 99])])
     with pytest.raises(dta.RolloutError, match=r"rollout 1, field 'input_ids'.*vocabulary"):
-        dta.tree_backward(model, tree)
+        dta.tree_backward(model, tree, dta.PolicyLoss())
     tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1] * 300)])
     with pytest.raises(dta.RolloutError, match=r"rollout 0.*maximum positions \(256\)"):
         dta.tree_logprobs(model, tree)

@@ -78,7 +78,7 @@ def test_a_wrong_backend_is_refused_when_prefix_attention_is_required(installed)
     with pytest.warns(KernelCheckWarning), \
             pytest.raises(dta.ModelNotSupportedError, match="prefix_attention=True, but .*differ from the model"):
         dta.tree_backward(make_model("qwen2"), dta.PrefixTree.from_rollouts(
-            random_tree_rollouts(random.Random(4), num_rollouts=4)), prefix_attention=True)
+            random_tree_rollouts(random.Random(4), num_rollouts=4)), dta.PolicyLoss(), prefix_attention=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

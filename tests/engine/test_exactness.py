@@ -136,7 +136,7 @@ def test_sliding_window_shorter_than_the_rollouts(config_name):
         "the window must change the model's output for this test to mean anything"
     check(model, rollouts, dta.PolicyLoss(), ENGINE_CONFIGS[config_name])
     with pytest.raises(dta.ModelNotSupportedError, match="sliding window"):
-        dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), mode="mask")
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(), mode="mask")
 
 
 @pytest.mark.parametrize("agg", list(LOSSES))

@@ -25,7 +25,7 @@ def tiny_tree() -> dta.PrefixTree:
 
 def test_model_without_cache_is_refused():
     with pytest.raises(dta.ModelNotSupportedError, match="takes no KV cache.*Fix:"):
-        dta.tree_backward(NoCacheLM(), tiny_tree())
+        dta.tree_backward(NoCacheLM(), tiny_tree(), dta.PolicyLoss())
 
 
 def test_gradient_checkpointing_is_refused():
@@ -33,7 +33,7 @@ def test_gradient_checkpointing_is_refused():
     model.gradient_checkpointing_enable()
     model.train()
     with pytest.raises(dta.ModelNotSupportedError, match="gradient checkpointing.*activation='recompute'"):
-        dta.tree_backward(model, tiny_tree())
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss())
 
 
 def test_dropout_with_recompute_is_refused():
@@ -42,18 +42,18 @@ def test_dropout_with_recompute_is_refused():
     model.transformer.drop.p = 0.1
     model.train()
     with pytest.raises(dta.ModelNotSupportedError, match="dropout"):
-        dta.tree_backward(model, tiny_tree(), activation="recompute")
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), activation="recompute")
     with pytest.raises(dta.ModelNotSupportedError, match="activation='auto' re-runs chunks.*dropout"):
-        dta.tree_backward(model, tiny_tree(), activation="auto", activation_memory_budget=10**9)
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), activation="auto", activation_memory_budget=10**9)
     model.eval()
-    dta.tree_backward(model, tiny_tree(), activation="recompute")
+    dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), activation="recompute")
 
 
 @pytest.mark.parametrize("kwargs", [dict(mode="tree"), dict(activation="lazy"), dict(chunk_size=0),
                                     dict(order="random"), dict(sibling_batch_tokens=0)])
 def test_bad_options_are_refused(kwargs):
     with pytest.raises(ValueError):
-        dta.tree_backward(make_model("llama"), tiny_tree(), **kwargs)
+        dta.tree_backward(make_model("llama"), tiny_tree(), dta.PolicyLoss(), **kwargs)
 
 
 def test_bad_loss_settings_are_refused():
@@ -65,7 +65,7 @@ def test_mask_mode_refuses_attention_kernels_without_4d_masks():
     model = make_model("llama")
     model.config._attn_implementation = "flash_attention_2"  # only the name is read before refusing
     with pytest.raises(dta.ModelNotSupportedError, match="mode='mask'.*sdpa"):
-        dta.tree_backward(model, tiny_tree(), mode="mask")
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), mode="mask")
 
 
 def test_prefix_attention_where_unsupported_is_refused_or_skipped():
@@ -73,14 +73,14 @@ def test_prefix_attention_where_unsupported_is_refused_or_skipped():
     on it is an error that names the reason."""
     model = make_model("mistral")
     with pytest.raises(dta.ModelNotSupportedError, match="prefix_attention=True.*sliding"):
-        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
-    dta.tree_backward(model, tiny_tree())  # auto: falls back to the model's attention with a KV cache
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
+    dta.tree_backward(model, tiny_tree(), dta.PolicyLoss())  # auto: falls back to the model's attention with a KV cache
 
 
 def test_prefix_attention_switch_is_undone():
     """The attention implementation is swapped only during a segment's forward, also when one fails."""
     model = make_model("llama")
-    dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+    dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
     assert model.config._attn_implementation == "sdpa"
 
     def fail(*args):
@@ -88,15 +88,16 @@ def test_prefix_attention_switch_is_undone():
 
     handle = model.model.layers[1].register_forward_hook(fail)
     with pytest.raises(RuntimeError, match="boom"):
-        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
     handle.remove()
     assert model.config._attn_implementation == "sdpa"
     model(input_ids=torch.tensor([[1, 2, 3]]))  # the model still runs on its own
 
 
 def test_prefix_attention_outside_the_engine_is_an_error():
-    from lightning_dta.engine.prefix_attention import ATTENTION_NAME
+    from lightning_dta.engine.prefix_attention import ATTENTION_NAME, SWITCH
 
+    SWITCH.register()  # what the engine's first switch does
     model = make_model("llama")
     model.config._attn_implementation = ATTENTION_NAME
     with pytest.raises(RuntimeError, match="only runs inside"):
@@ -116,7 +117,7 @@ def test_a_layer_that_hands_over_no_keys_values_is_refused():
     for prefix_attention in (True, False):
         attention.forward = bypass
         with pytest.raises(dta.ModelNotSupportedError, match="1 of its 2 layers"):
-            dta.tree_backward(model, tiny_tree(), prefix_attention=prefix_attention)
+            dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=prefix_attention)
         attention.forward = original
 
 
@@ -125,7 +126,7 @@ def test_a_layer_that_hands_over_no_keys_values_is_refused():
                                            ("mistral", "sliding attention window")])
 def test_prefix_attention_refuses_what_it_cannot_compute(family, reason):
     with pytest.raises(dta.ModelNotSupportedError, match=f"prefix_attention=True, but .*{reason}"):
-        dta.tree_backward(make_model(family), tiny_tree(), prefix_attention=True)
+        dta.tree_backward(make_model(family), tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
 
 
 def test_attention_dropout_falls_back_to_the_model_attention():
@@ -134,10 +135,10 @@ def test_attention_dropout_falls_back_to_the_model_attention():
         layer.self_attn.attention_dropout = 0.5
     model.train()
     with pytest.raises(dta.ModelNotSupportedError, match="attention dropout"):
-        dta.tree_backward(model, tiny_tree(), prefix_attention=True)
-    dta.tree_backward(model, tiny_tree())  # auto: the model's attention applies the dropout itself
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
+    dta.tree_backward(model, tiny_tree(), dta.PolicyLoss())  # auto: the model's attention applies the dropout itself
     model.eval()
-    dta.tree_backward(model, tiny_tree(), prefix_attention=True)  # no dropout in eval mode
+    dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)  # no dropout in eval mode
 
 
 def test_layers_without_keys_values_are_refused():
@@ -148,7 +149,7 @@ def test_layers_without_keys_values_are_refused():
                                        layer_types=["conv", "full_attention"]))
     for mode in ("dfs", "mask"):
         with pytest.raises(dta.ModelNotSupportedError, match=r"layers of type \['conv'\].*mode='vanilla'"):
-            dta.tree_backward(model, tiny_tree(), mode=mode)
+            dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), mode=mode)
 
 
 def test_overlapping_switches_restore_the_model_attention_once():

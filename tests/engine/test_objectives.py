@@ -83,18 +83,18 @@ def test_dual_clip_bounds_negative_advantages():
     """Against a hand computation on one token: ratio 3, A = -1, eps 0.2, dual clip 2 -> pg = 2 (not 3)."""
     loss_fn = dta.PolicyLoss(clip_eps=0.2, dual_clip=2.0)
     logp = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
-    data = dta.losses.TokenData(mask=torch.ones(1, 1, dtype=torch.float64),
+    data = dta.core.losses.TokenData(mask=torch.ones(1, 1, dtype=torch.float64),
                                 advantages=torch.tensor([[-1.0]], dtype=torch.float64),
                                 old=torch.tensor([[-1.0986122886681098]], dtype=torch.float64),  # log(1/3)
                                 prox=torch.full((1, 1), float("nan"), dtype=torch.float64),
                                 ref=torch.full((1, 1), float("nan"), dtype=torch.float64),
                                 weight=torch.ones(1, 1, dtype=torch.float64))
-    sums = dta.losses.empty_sums()
+    sums = dta.core.losses.empty_sums()
     value = loss_fn(logp, None, data, sums)
     assert float(value.detach()) == pytest.approx(2.0)  # min(3 * -1, 1.2 * -1) = -3, bounded below by 2 * -1
     value.backward()
     assert float(logp.grad) == 0.0  # the bound is constant: no gradient through it
-    without = dta.PolicyLoss(clip_eps=0.2)(logp.detach().requires_grad_(), None, data, dta.losses.empty_sums())
+    without = dta.PolicyLoss(clip_eps=0.2)(logp.detach().requires_grad_(), None, data, dta.core.losses.empty_sums())
     assert float(without) == pytest.approx(3.0)
 
 

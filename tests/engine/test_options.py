@@ -83,8 +83,10 @@ def test_no_signature_restates_an_option_default():
 
 
 def test_bench_defaults_are_the_engine_defaults():
-    args = build_parser().parse_args([])
-    assert args.sibling_batch_tokens == dta.EngineOptions().sibling_batch_tokens
+    parser = build_parser()
+    engine = parser.instantiate(parser.parse_args([])).engine
+    assert engine.sibling_batch_tokens == dta.EngineOptions().sibling_batch_tokens
+    assert engine == dta.EngineOptions()
 
 
 def test_tree_backward_keyword_overrides_equal_an_options_object(llama64):
@@ -93,10 +95,11 @@ def test_tree_backward_keyword_overrides_equal_an_options_object(llama64):
     from tests.helpers.models import random_tree_rollouts
 
     tree = dta.PrefixTree.from_rollouts(random_tree_rollouts(random.Random(0), num_rollouts=6))
-    by_keywords = dta.tree_backward(llama64, tree, mode="dfs", activation="recompute", chunk_size=3)
+    by_keywords = dta.tree_backward(llama64, tree, dta.PolicyLoss(), mode="dfs", activation="recompute", chunk_size=3)
     llama64.zero_grad(set_to_none=True)
-    by_object = dta.tree_backward(llama64, tree, engine=dta.EngineOptions(activation="recompute", chunk_size=3))
+    by_object = dta.tree_backward(llama64, tree, dta.PolicyLoss(),
+                                  engine=dta.EngineOptions(activation="recompute", chunk_size=3))
     llama64.zero_grad(set_to_none=True)
     assert by_keywords.loss == by_object.loss
     with pytest.raises(TypeError, match="unknown engine option"):
-        dta.tree_backward(llama64, tree, activaton="recompute")
+        dta.tree_backward(llama64, tree, dta.PolicyLoss(), activaton="recompute")

@@ -150,12 +150,13 @@ def test_dfs_peak_memory_is_flat_in_leaves():
     peaks = {}
     for leaves in (4, 8, 16):
         tree = dta.PrefixTree.from_rollouts(grpo_rollouts(5, prompts=1, group=leaves, prompt_len=1500))
-        dta.tree_backward(model, tree, sibling_batch_tokens=None)  # warm-up: allocator, probe, self-check
+        # warm-up: allocator, probe, self-check
+        dta.tree_backward(model, tree, dta.PolicyLoss(), sibling_batch_tokens=None)
         model.zero_grad(set_to_none=False)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        dta.tree_backward(model, tree, sibling_batch_tokens=None)
+        dta.tree_backward(model, tree, dta.PolicyLoss(), sibling_batch_tokens=None)
         torch.cuda.synchronize()
         peaks[leaves] = torch.cuda.max_memory_allocated() - before
     print(f"{torch.cuda.get_device_name()}: dfs peak above weights+grads by leaves {peaks}")
@@ -168,12 +169,12 @@ def test_the_walk_never_waits_for_the_device():
     model's own attention runs transformers' mask builder, which reads the mask.)"""
     model = cuda_model(torch.bfloat16)
     tree = dta.PrefixTree.from_rollouts(grpo_rollouts(6) + agent_rollouts(7))
-    dta.tree_backward(model, tree)  # warm-up: probe and self-check read the device once, by design
+    dta.tree_backward(model, tree, dta.PolicyLoss())  # warm-up: probe and self-check read the device once, by design
     dta.tree_logprobs(model, tree)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for options in (dict(), dict(activation="recompute", chunk_size=32), dict(sibling_batch_tokens=None)):
-            dta.tree_backward(model, tree, **options)
+            dta.tree_backward(model, tree, dta.PolicyLoss(), **options)
         dta.tree_logprobs(model, tree)
     finally:
         torch.cuda.set_sync_debug_mode(0)

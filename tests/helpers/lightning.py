@@ -37,7 +37,7 @@ def clean_env() -> dict[str, str]:
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """A float32 tiny Llama with weights scaled up, so logits are far from uniform and clipping is exercised."""
     torch.manual_seed(seed)
-    model = dta.module.build_causal_lm(TINY_LLAMA)
+    model = dta.models.build_causal_lm(TINY_LLAMA)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:

@@ -49,11 +49,12 @@ def main() -> None:
                 p.add_(1.0)
     critic = {}
     if with_critic:
-        critic = dict(critic=dta.value_model(tiny_llama(seed=1)), critic_optimizer=functools.partial(torch.optim.SGD,
-                      lr=LR), gae_gamma=0.9, gae_lambda=0.8)
+        value = dta.value_model(tiny_llama(seed=1))
         with torch.no_grad():
-            critic["critic"].get_output_embeddings().weight.fill_(0.01)
-        initial = {n: p.detach().clone() for n, p in critic["critic"].named_parameters()}
+            value.get_output_embeddings().weight.fill_(0.01)
+        initial = {n: p.detach().clone() for n, p in value.named_parameters()}
+        critic = dict(critic=dta.PPOCritic(value, optimizer=functools.partial(torch.optim.SGD, lr=LR), gamma=0.9,
+                                           lam=0.8))
     module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP,
                            loss=dta.PolicyLoss(**LOSS), **critic)
     data = (_GAEData if with_critic else StepBatchData)(
@@ -68,7 +69,8 @@ def main() -> None:
                 "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
                 "had_tree": rank_batch(rollouts, rank, devices, empty_rank).tree is not None,
                 "world_size": trainer.world_size, "reference": ref,
-                "critic": {n: p.detach().clone() for n, p in module.critic.named_parameters()} if with_critic else None,
+                "critic": {n: p.detach().clone() for n, p in module.critic.model.named_parameters()}
+                if with_critic else None,
                 "critic_initial": initial if with_critic else None},
                os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -170,7 +170,8 @@ def test_grpo_is_computed_over_the_whole_group_even_when_it_is_split_across_rank
     prompt = list(range(10, 60))
     step = [Rollout(input_ids=prompt + response, reward=reward, group_id="q") for response, reward in
             [([1, 2, 3], 1.0), ([2, 3, 4], 0.0), ([3, 4, 5], 0.5), ([4, 5, 6], 0.2)]]
-    shares = [make_step_batch(step, rank, 2, advantage_estimator="grpo") for rank in (0, 1)]
+    shares = [batches(RolloutDataModule(source=[step], advantage_estimator="grpo", rank=rank, world_size=2))[0]
+              for rank in (0, 1)]
     assert all(len(b.rollouts) == 2 for b in shares)  # one tree, cut in two
     expected = {tuple(r.input_ids): r.advantages for r in grpo_advantages(step)}
     halves = {}

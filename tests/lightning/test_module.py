@@ -162,9 +162,9 @@ def test_a_step_with_a_critic_equals_the_hand_written_ppo_step(tmp_path: Path) -
     torch.optim.SGD(ref_critic.parameters(), lr=0.3).step()
 
     module = dta.DTAModule(copy.deepcopy(model), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
-                           gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS), critic=copy.deepcopy(critic),
-                           critic_optimizer=functools.partial(torch.optim.SGD, lr=0.3), value_loss=value_loss,
-                           gae_gamma=gamma, gae_lambda=lam)
+                           gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS),
+                           critic=dta.PPOCritic(copy.deepcopy(critic), optimizer=functools.partial(torch.optim.SGD,
+                                                lr=0.3), value_loss=value_loss, gamma=gamma, lam=lam))
     data = _GAEData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
     fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
     fit.fit(module, data)
@@ -181,7 +181,7 @@ def test_a_step_with_a_critic_equals_the_hand_written_ppo_step(tmp_path: Path) -
 
 def test_a_critic_and_gae_come_together(tmp_path: Path) -> None:
     data = StepBatchData(lambda t: [rank_batch(grpo_rollouts(), t.global_rank, t.world_size)])
-    module = dta.DTAModule(tiny_llama(), critic=TINY_LLAMA)
+    module = dta.DTAModule(tiny_llama(), critic=dta.PPOCritic(TINY_LLAMA))
     with pytest.raises(ValueError, match="advantage_estimator: gae"):
         trainer(tmp_path, 1).fit(module, data)
     with pytest.raises(ValueError, match=r"needs a critic.*DTAModule\(critic=...\)"):

@@ -11,7 +11,8 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dta as dta
-from lightning_dta.lightning.step import _check_trainer, batch_tree, step_normalizer
+from lightning_dta.distributed.step import batch_tree, step_normalizer
+from lightning_dta.lightning.step import check_dfs_setup
 from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
 
@@ -58,17 +59,17 @@ def test_automatic_optimization_is_refused(tmp_path: Path) -> None:
 
 
 def test_step_refuses_a_wrapped_module_and_loss_scaling() -> None:
-    module = object()
-    wrapped = SimpleNamespace(strategy=SimpleNamespace(model=torch.nn.Identity(), lightning_module=module),
-                              precision_plugin=SimpleNamespace())
+    module = SimpleNamespace(automatic_optimization=False)
+    wrapped = SimpleNamespace(model=torch.nn.Identity(), lightning_module=module,
+                              precision_plugin=SimpleNamespace(precision="32-true"))
     with pytest.raises(RuntimeError, match="strategy='dta'"):
-        _check_trainer(wrapped)
-    scaled = SimpleNamespace(strategy=SimpleNamespace(model=module, lightning_module=module),
-                             precision_plugin=SimpleNamespace(scaler=object()))
+        check_dfs_setup(wrapped)
+    scaled = SimpleNamespace(model=module, lightning_module=module,
+                             precision_plugin=SimpleNamespace(precision="bf16-mixed", scaler=object()))
     with pytest.raises(RuntimeError, match="16-mixed"):
-        _check_trainer(scaled)
-    _check_trainer(SimpleNamespace(strategy=SimpleNamespace(model=module, lightning_module=module),
-                                   precision_plugin=SimpleNamespace(scaler=None)))
+        check_dfs_setup(scaled)
+    check_dfs_setup(SimpleNamespace(model=module, lightning_module=module,
+                                    precision_plugin=SimpleNamespace(precision="32-true", scaler=None)))
 
 
 def test_batch_tree_and_normalizer() -> None:

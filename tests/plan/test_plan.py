@@ -15,8 +15,7 @@ import shlex
 import pytest
 import torch
 
-from lightning_dta.bench.report import flop_speedup_limit
-from lightning_dta.bench.runner import ModeSpec, path_buffer_bytes, saved_peak_bytes
+from lightning_dta.bench.runner import path_buffer_bytes, saved_peak_bytes
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.rollout import Rollout, write_rollouts
 from lightning_dta.core.tree import PrefixTree
@@ -25,8 +24,10 @@ from lightning_dta.engine.activation_budget import measure_rates
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.plan import ModelShape, TrainingState, plan_step, probe_rates
 from lightning_dta.plan.cli import main, parse_bytes
-from lightning_dta.plan.predict import HEADROOM, fitting_options, standard_modes
+from lightning_dta.plan.flops import speedup_limit
+from lightning_dta.plan.predict import HEADROOM, fitting_options
 from lightning_dta.shapes.models import build_model
+from lightning_dta.shapes.modes import ModeSpec, planned_modes
 from lightning_dta.shapes.workloads import AgentWorkload, GRPOWorkload, TreeSearchWorkload
 
 VOCAB = 512
@@ -62,7 +63,7 @@ def test_clone_probes_give_the_rates_the_engine_probes_on_the_whole_model(model_
 def test_predicted_peak_of_saved_bytes_matches_the_engine(model_and_rates, workload: str) -> None:
     model, rates, precision = model_and_rates
     tree = PrefixTree.from_rollouts(WORKLOADS[workload].generate(VOCAB, 0))
-    modes = standard_modes(EngineOptions(), recompute_chunk=32)
+    modes = planned_modes(EngineOptions(), recompute_chunk=32)
     keep = saved_peak_bytes(model, tree, modes["dfs"])
     modes["dfs-auto"] = ModeSpec(EngineOptions(activation="auto", activation_memory_budget=int(0.6 * keep)))
     modes["dfs-unbatched"] = ModeSpec(EngineOptions(sibling_batch_tokens=None))
@@ -94,7 +95,7 @@ def test_flops_follow_the_definition() -> None:
     tree = PrefixTree.from_rollouts(rollouts)
     rates = probe_rates(config, torch.float32)
     plan = plan_step(tree, config, rates, TrainingState(1, precision="32-true"),
-                     standard_modes(EngineOptions(sibling_batch_tokens=None), recompute_chunk=64))
+                     planned_modes(EngineOptions(sibling_batch_tokens=None), recompute_chunk=64))
     # position p predicts token p+1: the prompt's last position is scored, responses' last positions are not
     vanilla = _flops_by_definition(shape, [(0, 50, 10), (0, 60, 20)])
     dfs = _flops_by_definition(shape, [(0, 40, 1), (40, 10, 9), (40, 20, 19)])
@@ -116,10 +117,8 @@ def test_flops_agree_with_the_bench_flop_limit() -> None:
         r.loss_mask[first] = 0
     tree = PrefixTree.from_rollouts(rollouts)
     plan = plan_step(tree, model.config, probe_rates(model.config, torch.float32), TrainingState(1))
-    c = model.config
     trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
-    limit = flop_speedup_limit([(n.start, n.length) for n in tree.iter_nodes()], [len(t) for t in tree.token_tensors],
-                               trained, c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size)
+    limit = speedup_limit(ModelShape.from_config(model.config), tree, head_positions=trained)
     assert plan.modes["vanilla"].flops / plan.modes["dfs"].flops == pytest.approx(limit, rel=1e-9)
 
 

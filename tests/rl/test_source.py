@@ -266,9 +266,8 @@ def test_attach_and_next_step_errors_name_the_fix():
         src.attach(tiny_policy())
 
 
-def fake_trainer(src, data_estimator=None, world_size=1):
-    datamodule = types.SimpleNamespace(source=src, advantage_estimator=data_estimator)
-    return types.SimpleNamespace(datamodule=datamodule, world_size=world_size)
+def fake_trainer(src, world_size=1):
+    return types.SimpleNamespace(datamodule=RolloutDataModule(source=src), world_size=world_size)
 
 
 def test_callback_refuses_inconsistent_set_ups():
@@ -276,7 +275,7 @@ def test_callback_refuses_inconsistent_set_ups():
     find = OnlineRLCallback._find_source
     assert find(fake_trainer(source()), module) is not None
     with pytest.raises(ValueError, match="estimated twice"):
-        find(fake_trainer(source(), data_estimator="grpo"), module)
+        RolloutDataModule(source=source(), advantage_estimator="grpo")
     with pytest.raises(ValueError, match="ref_logprobs=True"):
         find(fake_trainer(source()), types.SimpleNamespace(loss_fn=dta.PolicyLoss(kl_coef=0.1)))
     assert find(fake_trainer(source(), world_size=2), module) is not None  # N ranks: every rank runs the source

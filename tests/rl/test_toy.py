@@ -142,7 +142,7 @@ def test_toy_rl_learns_with_ppo_a_critic_and_gae(tmp_path):
     """PPO with a learned baseline: a critic of the policy's shape (zero value head), GAE with gamma = lam = 1
     (advantage = reward - value), the critic trained in the same step. Measured 100 steps, seeds 0/1/2: +0.19,
     +0.14, +0.13; the critic's value MSE falls from 0.18 to 0.03 (seed 0)."""
-    history, rows, _ = run_toy(tmp_path, "sync", f"--model.critic={CRITIC}",
+    history, rows, _ = run_toy(tmp_path, "sync", f"--model.critic.model={CRITIC}",
                                "--data.source.init_args.advantage_estimator=gae")
     first, last = rise(history)
     assert last >= first + MARGIN, f"PPO+GAE reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"

@@ -17,7 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_dta.distributed.collectives import all_gather_floats, synchronize
-from lightning_dta.lightning.step import batch_tree
+from lightning_dta.distributed.step import batch_tree
 
 
 class TreeThroughputMonitor(Callback):

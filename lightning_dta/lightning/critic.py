@@ -1,0 +1,116 @@
+"""``PPOCritic``: PPO's learned baseline, its own model, objective, optimizer and advantage estimator (GAE).
+
+Advantages have one owner per run: the step source (file, iterable or online generation) estimates group-relative
+advantages before the step is partitioned, and a critic estimates GAE inside the training step, when its values
+of the step's own rollouts are known. That second job is this class's, not the policy module's: each step it
+fills the rollouts' ``old_values`` with one forward-only walk (:func:`~lightning_dta.tree_values`), writes GAE's
+advantages and returns into them (:func:`~lightning_dta.core.advantages.gae_advantages`), and after the policy's
+step trains itself on the same tree with :class:`~lightning_dta.ValueLoss`, summed over ranks like the policy.
+
+Its optimizer is a plain torch optimizer, not one of Lightning's: a second ``LightningOptimizer.step()`` would
+count twice in ``global_step`` (``max_steps``, the online loop's policy version). Its state travels in the module's
+checkpoint (:meth:`optimizer_state` / :meth:`load_optimizer_state`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import OptimizerCallable
+from torch import nn
+
+from lightning_dta.contracts import ParallelLayout
+from lightning_dta.core.advantages import gae_advantages
+from lightning_dta.core.losses import ValueLoss
+from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.step import StepOutput, gradient_norm, tree_step_backward
+from lightning_dta.engine import EngineOptions, tree_values
+from lightning_dta.models import ModelSpec, build_causal_lm, value_model
+
+
+class PPOCritic(nn.Module):
+    """A critic for PPO with GAE (module docstring); ``DTAModule(critic=PPOCritic(...))``, in YAML ``model.critic``.
+
+    Args:
+        model: a model spec like ``DTAModule``'s (a path or hub name, a config dict, or an ``nn.Module``), turned into
+            a critic by :func:`~lightning_dta.value_model` (a zero-initialised scalar head).
+        model_kwargs: extra arguments for ``from_pretrained``/``from_config`` (default: the policy's).
+        optimizer: called with the critic's parameters.
+        value_loss: the critic's :class:`~lightning_dta.ValueLoss`.
+        gamma, lam: GAE's discount and trace decay, each in [0, 1].
+    """
+
+    def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
+                 optimizer: OptimizerCallable = torch.optim.AdamW,
+                 value_loss: ValueLoss = ValueLoss(), gamma: float = 1.0,  # noqa: B008 (frozen)
+                 lam: float = 1.0) -> None:
+        super().__init__()
+        if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+            raise ValueError(f"PPOCritic gamma={gamma} and lam={lam} must lie in [0, 1]")
+        self.spec = None if isinstance(model, nn.Module) else model
+        self.model_kwargs = None if model_kwargs is None else dict(model_kwargs)
+        self.model: nn.Module | None = value_model(model) if isinstance(model, nn.Module) else None
+        self.optimizer_factory = optimizer
+        self.value_loss = value_loss if isinstance(value_loss, ValueLoss) else ValueLoss(**value_loss)
+        self.gamma, self.lam = gamma, lam
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._optimizer_state: dict | None = None  # from a checkpoint, applied when the optimizer exists
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """The settings as plain data, for the module's checkpoint (a module given as an ``nn.Module`` is not)."""
+        return {"model": self.spec, "model_kwargs": self.model_kwargs,
+                "value_loss": dataclasses.asdict(self.value_loss), "gamma": self.gamma, "lam": self.lam}
+
+    def configure(self, model_kwargs: dict[str, Any], layout: ParallelLayout) -> None:
+        """Build the value model (once; after the policy, so that the policy's random init is unchanged)."""
+        if layout.shards_weights:
+            raise ValueError("PPOCritic is not supported with strategy='dta_fsdp' yet (the critic would be a second "
+                             "sharded model). Fix: strategy='dta', or GRPO-style advantages")
+        if self.model is None:
+            kwargs = model_kwargs if self.model_kwargs is None else self.model_kwargs
+            self.model = value_model(build_causal_lm(self.spec, kwargs))
+
+    def estimate(self, tree: PrefixTree | None, engine: EngineOptions) -> None:
+        """The critic's values on the step's tree (one forward-only walk), then GAE: each rollout's advantages
+        and returns, in place (the tree's rollouts are this step's own)."""
+        if tree is None:
+            return
+        for rollout, values in zip(tree.rollouts, tree_values(self.model, tree, engine=engine)):
+            rollout.old_values = [0.0] + values.double().cpu().tolist()
+        for rollout, estimated in zip(tree.rollouts, gae_advantages(tree.rollouts, self.gamma, self.lam)):
+            rollout.advantages, rollout.returns = estimated.advantages, estimated.returns
+
+    def step(self, tree: PrefixTree | None, engine: EngineOptions, layout: ParallelLayout,
+             clip_val: float | None, clip_algorithm: str) -> StepOutput:
+        """One optimizer step of the critic on the step's tree, clipped like the policy (torch's own clipping)."""
+        optimizer = self._ensure_optimizer()
+        optimizer.zero_grad(set_to_none=True)
+        out = tree_step_backward(self.model, tree, self.value_loss, engine=engine, layout=layout)
+        out.grad_norm = gradient_norm(self.model.parameters(), layout)
+        if not out.finite:
+            optimizer.zero_grad(set_to_none=True)
+            out.skipped = True
+            return out
+        if clip_val:
+            if clip_algorithm == "value":
+                torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_val)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_val)
+        optimizer.step()
+        return out
+
+    def _ensure_optimizer(self) -> torch.optim.Optimizer:
+        if self._optimizer is None:
+            self._optimizer = self.optimizer_factory(self.model.parameters())
+            if self._optimizer_state is not None:
+                self._optimizer.load_state_dict(self._optimizer_state)
+        return self._optimizer
+
+    def optimizer_state(self) -> dict | None:
+        """The optimizer's state for a checkpoint: its own, or the one loaded and not yet used by a step."""
+        return self._optimizer.state_dict() if self._optimizer is not None else self._optimizer_state
+
+    def load_optimizer_state(self, state: dict | None) -> None:
+        self._optimizer_state = state
