@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # only for annotations: a contract must not pull in its imple
 HeadOutput = Literal["logprobs", "values"]
 
 DEFAULT_BUCKET_MB = 256.0
+DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"  # the mesh dimensions (Lightning's names)
 
 
 @dataclass
@@ -179,23 +180,53 @@ class Sharding:
 
 
 @dataclass(frozen=True)
+class TensorParallelism:
+    """How a strategy asks the module to split its causal LM over the ``tensor_parallel`` mesh dimension (applied by
+    :func:`lightning_dta.distributed.tensor_parallel.tensor_parallel` before FSDP2). The peers of a tensor-parallel
+    group walk the same tree, so the collectives inside each layer line up."""
+
+    size: int
+    vocab_parallel: bool = True  # the input embedding and the LM head split by vocabulary (the logits gathered)
+    plan_overrides: tuple[tuple[str, str], ...] = ()  # (module pattern, transformers style) replacing the model's plan
+
+
+@dataclass(frozen=True)
 class ParallelLayout:
     """How the ranks of a step are laid out.
 
-    Every rank of one data-parallel rank's group walks its own tree; the step's sums (loss normaliser, metrics,
-    gradients of replicated weights) run over ``data_parallel_group``. ``None`` there means the default group
-    (or a single process). ``sharding`` is set when the strategy shards the weights; ``device_mesh`` is the
-    strategy's mesh (dimension ``"data_parallel"``) when it has one.
+    Every data-parallel rank walks its own tree (with tensor parallelism, every rank of its tensor-parallel group
+    walks that same tree); the step's sums (loss normaliser, metrics, gradients of replicated weights) and the
+    partition of a step run over ``data_parallel_group``. ``None`` there means the default group (or a single
+    process). ``sharding`` is set when the strategy shards the weights, ``tensor_parallelism`` when it splits them
+    over a ``tensor_parallel`` dimension; ``device_mesh`` is the strategy's mesh (dimensions ``"data_parallel"``,
+    ``"tensor_parallel"``) when it has one.
     """
 
     data_parallel_group: ProcessGroup | None = None
     device_mesh: DeviceMesh | None = None
     sharding: Sharding | None = None
+    tensor_parallelism: TensorParallelism | None = None
     bucket_mb: float = DEFAULT_BUCKET_MB
 
     @property
     def shards_weights(self) -> bool:
         return self.sharding is not None
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's place among the ranks that walk different trees (0 on a single process)."""
+        import torch.distributed as dist
+
+        return dist.get_rank(self.data_parallel_group) if dist.is_available() and dist.is_initialized() else 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks walk different trees: the step is partitioned over them (1 on a single process)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.data_parallel_group)
 
 
 @runtime_checkable

@@ -86,9 +86,6 @@ def shard(model: nn.Module, mesh, *, mp_policy: MixedPrecisionPolicy | None = No
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     sum_over_ranks(model)
-    model._lightning_dta_sharding = dict(mesh=mesh, mp_policy=mp_policy,  # for sharded_copy
-                                         reshard_after_forward=reshard_after_forward, offload=offload,
-                                         wrap_modules=wrap_modules)
     return model
 
 
@@ -107,20 +104,27 @@ def _empty_like(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module
     return empty
 
 
+def parallel_copy_recipe(model: nn.Module):
+    """How ``model`` was parallelized (a :class:`~lightning_dta.contracts.ParallelLayout`, kept by
+    :func:`~lightning_dta.distributed.parallelize.parallelize_model`), or ``None``."""
+    # set by parallelize_model: a model parallelized elsewhere has none
+    return getattr(model, "_lightning_dta_layout", None)
+
+
 def sharded_copy(model: nn.Module) -> nn.Module:
-    """A frozen copy of a sharded model, sharded the same way (FSDP2 refuses ``copy.deepcopy``): built on the meta
-    device, sharded with ``model``'s settings and given ``model``'s shards (a local copy, no communication)."""
+    """A frozen copy of a sharded model, parallelized the same way (FSDP2 refuses ``copy.deepcopy``): built on the
+    meta device, parallelized with ``model``'s layout and given ``model``'s shards (a local copy, no communication)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    # set by shard(): a model sharded elsewhere has none
-    recipe = getattr(model, "_lightning_dta_sharding", None)
-    if recipe is None:
-        raise ShardingError("this model was sharded outside lightning_dta.distributed.sharding.shard, so its sharding "
-                            "cannot be "
-                            "repeated for a copy. Fix: shard it with lightning_dta.distributed.sharding.shard")
+    from lightning_dta.distributed.parallelize import apply_layout  # it imports this module
+
+    layout = parallel_copy_recipe(model)
+    if layout is None:
+        raise ShardingError("this model was parallelized outside lightning_dta.parallelize_model, so its sharding "
+                            "cannot be repeated for a copy. Fix: parallelize it with lightning_dta.parallelize_model")
     device = next(p.device for p in model.parameters())
     buffers = dict(model.named_buffers())
-    frozen = shard(_empty_like(model, next(model.parameters()).dtype), **recipe)
+    frozen = apply_layout(_empty_like(model, next(model.parameters()).dtype), layout)
     materialize(frozen, device, buffers)
     set_model_state_dict(frozen, get_model_state_dict(model))
     return frozen.requires_grad_(False).eval()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_dta.contracts import Objective, ParallelLayout
+from lightning_dta.contracts import TENSOR_PARALLEL, Objective, ParallelLayout
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
@@ -34,6 +34,7 @@ from lightning_dta.distributed.collectives import (
     collective_device,
     sum_gradients,
     synchronize,
+    world_size,
 )
 from lightning_dta.distributed.sharding import is_sharded, local_tensor, reduce_gradients, unsharded
 from lightning_dta.engine import TreeBackwardOutput, tree_backward, tree_loss_normalizer
@@ -102,6 +103,12 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
     loss_fn = loss_fn or PolicyLoss()
     layout = layout or ParallelLayout()
     group = layout.data_parallel_group
+    if group is None and world_size() > 1 and _tensor_parallel(model):
+        raise ValueError(
+            "the model is tensor-parallel: the peers of a tensor-parallel group walk one tree, so the step's sums "
+            "over every rank would count it once per peer (the normaliser doubles, the gradient halves). Fix: "
+            "tree_step_backward(..., layout=ParallelLayout(data_parallel_group=mesh['data_parallel'].get_group(), "
+            "device_mesh=mesh)), as DTAFSDPStrategy(tensor_parallel_size=...) does")
     device = collective_device(model)
     normalizer = step_normalizer(tree, loss_fn, device, layout)
     local = None
@@ -131,19 +138,53 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
                       rank_seconds=[rank[-1] for rank in ranks])
 
 
+def _tensor_parallel(model: nn.Module) -> bool:
+    """Whether ``model``'s weights are DTensors on a mesh with a ``tensor_parallel`` dimension (TP, or FSDP x TP)."""
+    return any(local_tensor(p) is not p and TENSOR_PARALLEL in (p.device_mesh.mesh_dim_names or ())
+               for p in model.parameters())
+
+
 def gradient_norm(parameters: Iterable[nn.Parameter], layout: ParallelLayout | None = None) -> float:
-    """Total 2-norm of the gradients (in float32), the figure clipping compares with ``gradient_clip_val``.
+    """Total 2-norm of the gradients (in at least float32), the figure clipping compares with ``gradient_clip_val``.
 
-    Sharded gradients (FSDP2 DTensors) hold one shard per rank: their squares are summed over ranks (one
-    all-reduce, every rank calls it); replicated gradients are the same on every rank and need none."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    Sharded gradients (DTensors of FSDP2, tensor parallelism or both) are reduced over their own meshes, by their
+    placements: the squares of the local shards are summed over each mesh dimension the gradient is split along, and
+    not over a dimension that holds replicas (one tiny all-reduce per mesh dimension and distinct placements, in the
+    same order on every rank: every rank calls it). Summing local squares over one group would miscount: a
+    tensor-parallel replica once per peer, the tensor-parallel half of a 2-D shard not at all. Plain gradients are
+    the same on every rank (summed already) and need none. Not torch's ``clip_grad_norm_``: it stacks the norms of
+    every gradient, which fails for DTensors on different meshes (FSDP's 1-D mesh beside FSDP x TP's 2-D one), and it
+    computes in the gradients' own dtype (bfloat16 gradients: three digits). ``layout`` is accepted for symmetry with
+    the step; the meshes are the gradients' own."""
+    del layout
+    squares: dict[tuple, torch.Tensor] = {}
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        local = local_tensor(grad)
+        key = (grad.device_mesh, grad.placements) if local is not grad else None
+        # at least float32 (a float64 gradient keeps float64: vector_norm does not narrow)
+        square = torch.linalg.vector_norm(local, dtype=torch.promote_types(local.dtype, torch.float32)).square()
+        squares[key] = squares[key] + square if key in squares else square
+    total = 0.0
+    for key, square in squares.items():
+        if key is not None:
+            mesh, placements = key
+            for dim, placement in enumerate(placements):
+                if not placement.is_replicate():  # split (or pending a sum) along this dimension
+                    torch.distributed.all_reduce(square, group=mesh.get_group(dim))
+        total += float(square)
+    return total ** 0.5
 
-    def squares(tensors: list[torch.Tensor]) -> float:  # one host sync for the whole list
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
-        return float(torch.stack(norms).square().sum()) if norms else 0.0
 
-    sharded = [local_tensor(g) for g in grads if local_tensor(g) is not g]
-    replicated = [g for g in grads if local_tensor(g) is g]
-    total = all_reduce_sum([squares(sharded)], collective_device(grads[0]),
-                           group=(layout or ParallelLayout()).data_parallel_group)[0] if sharded else 0.0
-    return (total + squares(replicated)) ** 0.5
+def clip_by_norm(parameters: Iterable[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale the gradients so that their total norm ``norm`` (:func:`gradient_norm`) is at most ``max_norm``, by
+    torch's factor (``clip_grad_norm_`` / ``clip_grads_with_norm_``: ``min(max_norm / (norm + 1e-6), 1)``) as a
+    Python number, so that it multiplies DTensors of any mesh alike (a tensor factor would be a plain tensor beside
+    DTensors)."""
+    factor = min(max_norm / (norm + 1e-6), 1.0)
+    with torch.no_grad():
+        for p in parameters:
+            if p.grad is not None:
+                p.grad.mul_(factor)

@@ -27,7 +27,7 @@ from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.memory import SavedTensorMeter
-from lightning_dta.engine.model_info import ModelInfo
+from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
 from lightning_dta.engine.sibling_batch import SiblingBatch
 
 PROBE_TOKENS = 64
@@ -67,6 +67,11 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
             loss_fn(scores * 1.0, entropy * 1.0, data, dict.fromkeys(loss_fn.metric_sums, 0.0))
     rates = (body.peak_bytes / PROBE_TOKENS, max(whole.peak_bytes - body.peak_bytes, 0) / (PROBE_TOKENS - 1),
              grid.peak_bytes / (rows * columns))
+    mesh = tensor_parallel_mesh(model)
+    if mesh is not None:  # tensor-parallel peers walk one tree in lockstep: they must take the same decisions
+        agreed = torch.tensor(rates, dtype=torch.float64, device=info.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=mesh.get_group())
+        rates = tuple(agreed.tolist())
     cached[key] = rates
     return rates
 
@@ -82,13 +87,14 @@ def _probe_data(rows: int, columns: int, dtype: torch.dtype, device: torch.devic
                      old_values=full(0.0))
 
 
-def path_kv_bytes(config, capacity: int, dtype: torch.dtype) -> int:
+def path_kv_bytes(config, capacity: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """The path's key/value buffers for ``capacity`` positions (not their gradients): layers x 2 x kv heads x
-    capacity x head dim. The budget counts them in full: attention saves views of them for backward."""
+    capacity x head dim (a tensor-parallel rank holds ``1/tp_size`` of the heads). The budget counts them in full:
+    attention saves views of them for backward."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     # optional config fields: not every model family has them
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
     # optional config fields: not every model family has them
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return 2 * config.num_hidden_layers * kv_heads * head_dim * capacity * torch.empty((), dtype=dtype).element_size()

@@ -25,7 +25,7 @@ from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree, TreeNode
 from lightning_dta.engine.activation_budget import ActivationBudget, measure_rates, path_kv_bytes
 from lightning_dta.engine.forward import forward_batch, loss_inputs
-from lightning_dta.engine.model_info import ModelInfo
+from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import ChunkTargets, StepData
@@ -144,8 +144,10 @@ def activation_budget(model: nn.Module, info: ModelInfo, tree: PrefixTree, engin
     """The budget of ``activation="auto"`` (``None`` otherwise), with the rates probed on ``model``."""
     if engine.activation != "auto":
         return None
+    mesh = tensor_parallel_mesh(model)
     return ActivationBudget.for_tree(tree, engine, measure_rates(model, info, dtype, loss_fn),
-                                     path_kv_bytes(model.config, tree.stats.max_depth_tokens, info.dtype))
+                                     path_kv_bytes(model.config, tree.stats.max_depth_tokens, info.dtype,
+                                                   1 if mesh is None else mesh.size()))
 
 
 class DFSWalk(DFSSchedule):

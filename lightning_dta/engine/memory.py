@@ -14,6 +14,20 @@ import sys
 import torch
 from torch import nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch without distributed
+    DTensor = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds the bytes: a DTensor's (tensor-parallel or FSDP) own shard on this rank. A
+    DTensor's own ``untyped_storage()`` is an invalid wrapper storage."""
+    if DTensor is not None and isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
 
 class _Saved:
     __slots__ = ("meter", "key", "tensor", "__weakref__")
@@ -29,14 +43,14 @@ class SavedTensorMeter:
     """Context manager: ``peak_bytes`` is the largest total size of tensors saved for backward at once."""
 
     def __init__(self, model: nn.Module | None = None) -> None:
-        self._params = {p.data_ptr() for p in model.parameters()} if model is not None else set()
+        self._params = {_local(p).data_ptr() for p in model.parameters()} if model is not None else set()
         self._live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self.current_bytes = 0
         self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
+        storage = _local(tensor).untyped_storage()
         key = storage.data_ptr()
         if key in self._params:
             return tensor

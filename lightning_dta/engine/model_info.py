@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.engine.attention_backends import AttentionBackend, choose_backend
 from lightning_dta.engine.attention_check import check_kernels, fall_back
 from lightning_dta.engine.errors import ModelNotSupportedError
@@ -147,11 +148,39 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
     if uses_cache and prefix_attention is not False:
         configs, backend, reason = choose_prefix_attention(
             model, first.device, compute_dtype(first.dtype, first.device), num_layers, prefix_attention_backend)
+        if not _agreed_by_tensor_parallel_peers(model, reason is None):
+            configs, backend = (), None
+            reason = reason or "a tensor-parallel peer cannot run it (its kernels failed their check)"
         if reason and prefix_attention:
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
                      dropout, attn_implementation, configs, backend, num_layers)
+
+
+def _agreed_by_tensor_parallel_peers(model: nn.Module, usable: bool) -> bool:
+    """Whether every peer of ``model``'s tensor-parallel group can use prefix attention: the peers walk one tree in
+    lockstep, so they must all take the same attention path (one tiny collective; ``usable`` without a group)."""
+    mesh = tensor_parallel_mesh(model)
+    if mesh is None:
+        return usable
+    flag = torch.tensor([1.0 if usable else 0.0], device=next(model.parameters()).device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=mesh.get_group())
+    return bool(flag.item())
+
+
+def tensor_parallel_mesh(model: nn.Module):
+    """The 1-D mesh named ``"tensor_parallel"`` that ``model``'s weights are DTensors on, or ``None``. Under FSDP2
+    the weights are 2-D DTensors between walks and tensor-parallel ones while a walk runs unsharded. Read from the
+    weights, not from an attribute, so only a walk finds the mesh: the engine needs it where the peers of a group
+    must take the same decisions (``activation="auto"``'s measured rates, prefix attention's verdict) and where a
+    rank's share differs from the config's (the path's key/value heads)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == (TENSOR_PARALLEL,):
+            return p.device_mesh
+    return None
 
 
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:

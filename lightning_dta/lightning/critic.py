@@ -25,7 +25,7 @@ from lightning_dta.contracts import ParallelLayout
 from lightning_dta.core.advantages import gae_advantages
 from lightning_dta.core.losses import ValueLoss
 from lightning_dta.core.tree import PrefixTree
-from lightning_dta.distributed.step import StepOutput, gradient_norm, tree_step_backward
+from lightning_dta.distributed.step import StepOutput, clip_by_norm, gradient_norm, tree_step_backward
 from lightning_dta.engine import EngineOptions, tree_values
 from lightning_dta.models import ModelSpec, build_causal_lm, value_model
 
@@ -93,11 +93,10 @@ class PPOCritic(nn.Module):
             optimizer.zero_grad(set_to_none=True)
             out.skipped = True
             return out
-        if clip_val:
-            if clip_algorithm == "value":
-                torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_val)
-            else:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip_val)
+        if clip_val and clip_algorithm == "value":
+            torch.nn.utils.clip_grad_value_(self.model.parameters(), clip_val)
+        elif clip_val:
+            clip_by_norm(self.model.parameters(), clip_val, out.grad_norm)
         optimizer.step()
         return out
 

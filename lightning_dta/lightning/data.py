@@ -41,7 +41,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_dta.contracts import ModelLimits, StepSource
+from lightning_dta.contracts import ModelLimits, ParallelLayout, StepSource, parallel_layout
 from lightning_dta.core.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.rollout import Rollout
@@ -113,7 +113,7 @@ class RolloutDataModule(L.LightningDataModule):
         max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
         vocab_size, max_positions: the model's limits, checked on every rollout at the boundary (default: taken
             from the model when training starts, see :meth:`connect_model`).
-        rank, world_size: override the Trainer's ``global_rank`` / ``world_size`` (tests, custom launchers).
+        rank, world_size: override the data-parallel rank and size of the strategy (tests, custom launchers).
             Without a Trainer and without overrides: rank 0 of 1.
     """
 
@@ -169,16 +169,18 @@ class RolloutDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ rank and data
 
     @property
+    def _layout(self) -> ParallelLayout:
+        return parallel_layout(self.trainer.strategy) if self.trainer is not None else ParallelLayout()
+
+    @property
     def rank(self) -> int:
-        if self._rank is not None:
-            return self._rank
-        return self.trainer.global_rank if self.trainer is not None else 0
+        """This rank's place among the ranks that walk different trees (tensor-parallel peers share one)."""
+        return self._rank if self._rank is not None else self._layout.data_parallel_rank
 
     @property
     def world_size(self) -> int:
-        if self._world_size is not None:
-            return self._world_size
-        return self.trainer.world_size if self.trainer is not None else 1
+        """The number of ranks the step is partitioned over: the data-parallel ones."""
+        return self._world_size if self._world_size is not None else self._layout.data_parallel_size
 
     @property
     def advantage_estimator(self) -> str | None:

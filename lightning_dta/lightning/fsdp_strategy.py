@@ -28,6 +28,7 @@ strategy launches by re-running the script (``torchrun``/SLURM environments are 
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -36,7 +37,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
-from lightning_dta.contracts import ParallelLayout, Sharding
+from lightning_dta.contracts import DATA_PARALLEL, ParallelLayout, Sharding, TensorParallelism
 from lightning_dta.distributed.faults import FailureWatchdogMixin
 from lightning_dta.distributed.sharding import ShardingError, is_sharded
 from lightning_dta.lightning.step import check_dfs_setup
@@ -52,47 +53,88 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
         cpu_offload: keep the shards (and their optimizer state) in CPU memory between their uses on the GPU (FSDP2
             ``CPUOffloadPolicy``; GPU only, not run here).
         save_distributed_checkpoint: checkpoints as a folder of per-rank shards (default) or one gathered file.
+        tensor_parallel_size: split every weight over this many ranks (1: none); the world is then a 2-D mesh
+            (``data_parallel`` x ``tensor_parallel``, Lightning's ``ModelParallelStrategy`` names; tensor-parallel
+            peers are neighbouring ranks, i.e. within a node) and the peers of a group walk the same tree. The plan is
+            the model's own transformers plan (``lightning_dta.distributed.tensor_parallel``).
+        vocab_parallel: with tensor parallelism, split the input embedding and the LM head by vocabulary too.
+        tensor_parallel_plan: entries ``{module pattern: transformers style}`` that replace or add to the model's
+            plan (e.g. ``{"model.layers.*.self_attn.q_norm": "replicate"}``).
+        walk_gradient_dtype: the dtype the walk accumulates the unsharded gradient in under half-precision weights:
+            ``float32`` (4 bytes per parameter during the walk) or ``bfloat16`` (2 bytes; the reduce-scatter then runs
+            in bfloat16 too). FSDP2 keeps the unsharded gradient in its ``reduce_dtype``.
         process_group_backend, timeout: as for Lightning's strategies.
     """
 
     strategy_name = "dta_fsdp"
 
     def __init__(self, wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
-                 cpu_offload: bool = False, save_distributed_checkpoint: bool = True,
+                 cpu_offload: bool = False, save_distributed_checkpoint: bool = True, tensor_parallel_size: int = 1,
+                 vocab_parallel: bool = True, tensor_parallel_plan: dict[str, str] | None = None,
+                 walk_gradient_dtype: Literal["float32", "bfloat16"] = "float32",
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
-        super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
+                or tensor_parallel_size < 1:
+            raise ValueError(f"DTAFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): use a positive int "
+                             "(1: no tensor parallelism)")
+        if walk_gradient_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"DTAFSDPStrategy(walk_gradient_dtype={walk_gradient_dtype!r}): choose 'float32' or "
+                             "'bfloat16'")
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.wrap_modules = list(wrap_modules) if wrap_modules else None
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.tensor_parallel_size = tensor_parallel_size
+        self.vocab_parallel = vocab_parallel
+        self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
+        self.walk_gradient_dtype = walk_gradient_dtype
 
     @override
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards: a 1-D mesh
-        self._tensor_parallel_size = 1
+        world = self.num_nodes * self.num_processes
+        if world % self.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide the {world} ranks "
+                             f"(devices x nodes). Fix: a tensor-parallel size that divides {world}, or more devices")
+        precision = self.precision_plugin.precision
+        if self.walk_gradient_dtype == "bfloat16" and precision not in ("bf16-true", "bf16-mixed"):
+            raise ValueError(f"walk_gradient_dtype='bfloat16' halves the gradient the walk holds under bfloat16 "
+                             f"weights; the precision is {precision!r}. Fix: precision='bf16-true' (or 'bf16-mixed'), "
+                             "or walk_gradient_dtype='float32'")
+        self._data_parallel_size = world // self.tensor_parallel_size  # every rank shards over its dp group
+        self._tensor_parallel_size = self.tensor_parallel_size
         super().setup_environment()
         self._start_failure_watchdog()
 
     @property
     def parallel_layout(self) -> ParallelLayout:
-        """Every rank walks its own tree on FSDP2-sharded weights: the module shards its model over the mesh's
-        ``data_parallel`` dimension in ``configure_model``
-        (:func:`~lightning_dta.distributed.parallelize.parallelize_model`), with this strategy's options and the
-        Trainer's precision."""
-        return ParallelLayout(device_mesh=self.device_mesh, sharding=self._sharding())
+        """Every data-parallel rank walks its own tree on FSDP2-sharded weights (the tensor-parallel peers of a rank
+        walk the same one): the module parallelizes its model in ``configure_model``
+        (:func:`~lightning_dta.distributed.parallelize.parallelize_model`) with this strategy's options and the
+        Trainer's precision; the step's sums run over the ``data_parallel`` dimension."""
+        mesh = self.device_mesh
+        tensor = None
+        if self.tensor_parallel_size > 1:
+            tensor = TensorParallelism(self.tensor_parallel_size, self.vocab_parallel,
+                                       tuple(sorted(self.tensor_parallel_plan.items())))
+        group = mesh[DATA_PARALLEL].get_group() if tensor is not None else None  # None: every rank (the same)
+        return ParallelLayout(data_parallel_group=group, device_mesh=mesh, sharding=self._sharding(),
+                              tensor_parallelism=tensor)
 
     def _sharding(self) -> Sharding:
         """``bf16-mixed`` keeps float32 shards and computes in bfloat16; ``bf16-true``/``16-true`` shard half-precision
-        weights and sum gradients in float32; ``32-true`` is plain float32."""
+        weights and sum gradients in float32 (``walk_gradient_dtype="bfloat16"``: in bfloat16); ``32-true`` is plain
+        float32."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         precision = self.precision_plugin.precision
+        reduce_dtype = None if self.walk_gradient_dtype == "bfloat16" else torch.float32
         mp_policy, param_dtype = None, None
         if precision == "bf16-mixed":
-            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
         elif precision in ("bf16-true", "16-true"):
-            mp_policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            mp_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
             param_dtype = torch.bfloat16 if precision == "bf16-true" else torch.float16
         return Sharding(wrap_modules=tuple(self.wrap_modules) if self.wrap_modules else None,
                         reshard_after_forward=self.reshard_after_forward, offload=self.cpu_offload,

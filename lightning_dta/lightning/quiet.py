@@ -5,6 +5,10 @@ Each filter names what it silences and why it is safe; everything else still pri
   otherwise prefetch a step of an online source, one step off policy) and is never used with worker processes.
 - ``isinstance(treespec, LeafSpec) is deprecated``: Lightning 2.6's own code on torch >= 2.10; nothing to change
   on our side.
+- ``FSDP2-wrapped module (...) returned a view tensor``: under tensor parallelism the LM head's gathered logits come
+  back as a view of the all-gather's buffer. FSDP2 warns that an in-place op on such a view would skip its
+  pre-backward all-gather; a tree walk runs with every unit unsharded and no FSDP collective
+  (:mod:`lightning_dta.distributed.sharding`) and never writes into the logits, so nothing is skipped.
 - Lightning's "Tip: ... litlogger" advertisement, printed on every run.
 """
 
@@ -13,7 +17,8 @@ from __future__ import annotations
 import logging
 import warnings
 
-WARNINGS = (r"Your `IterableDataset` has `__len__` defined", r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+WARNINGS = (r"Your `IterableDataset` has `__len__` defined", r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+            r"FSDP2-wrapped module \(.*\) returned a view tensor")
 LOG_ADVERTS = ("💡 Tip: For seamless cloud logging",)
 
 

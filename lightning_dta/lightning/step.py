@@ -29,7 +29,7 @@ from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.sharding import unsharded
-from lightning_dta.distributed.step import StepOutput, batch_tree, gradient_norm, tree_step_backward
+from lightning_dta.distributed.step import StepOutput, batch_tree, clip_by_norm, gradient_norm, tree_step_backward
 from lightning_dta.engine.diagnosis import nonfinite_rollouts
 from lightning_dta.engine.options import EngineOptions
 
@@ -119,9 +119,10 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
             if tree is not None:
                 out.nonfinite_rollouts = nonfinite_rollouts(model, tree, loss_fn or PolicyLoss(), engine)
         return out
-    if gradient_clip_val:
-        module.clip_gradients(opt, gradient_clip_val=gradient_clip_val,
-                              gradient_clip_algorithm=gradient_clip_algorithm)
+    if gradient_clip_val and gradient_clip_algorithm == "norm":  # the norm is known: torch's scaling by it
+        clip_by_norm(model.parameters(), gradient_clip_val, out.grad_norm)
+    elif gradient_clip_val:
+        module.clip_gradients(opt, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
     opt.step()
     return out
 

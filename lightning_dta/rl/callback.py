@@ -25,6 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
+from lightning_dta.contracts import parallel_layout
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.distributed.collectives import all_gather_floats, broadcast_module
@@ -108,13 +109,14 @@ class OnlineRLCallback(Callback):
         if self.sft_warmup_steps and trainer.global_step == 0:
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,
-                                             add_bos=source.add_bos, engine=engine)
+                                             add_bos=source.add_bos, engine=engine,
+                                             layout=parallel_layout(trainer.strategy))
             if not is_sharded(policy):
                 broadcast_module(policy)  # every rank ran the same warm start; rank 0's weights are the run's
             self._print(trainer, f"SFT warm start: {self.warm_start.steps} steps in {self.warm_start.seconds:.1f}s, "
                                  f"demonstration NLL {self.warm_start.nll_before:.3f} -> "
                                  f"{self.warm_start.nll_after:.3f} per token")
-        source.attach(policy, version=trainer.global_step, engine=engine)
+        source.attach(policy, version=trainer.global_step, engine=engine, layout=parallel_layout(trainer.strategy))
         self._version = trainer.global_step
         self.source = source
 

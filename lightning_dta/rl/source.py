@@ -51,12 +51,12 @@ from typing import Any, Literal
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from lightning_dta.contracts import ModelLimits
+from lightning_dta.contracts import ModelLimits, ParallelLayout
 from lightning_dta.core.advantages import check_advantage_estimator
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
-from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank, world_size
+from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank
 from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.engine import EngineOptions
 from lightning_dta.lightning.sources import validated_step
@@ -152,7 +152,9 @@ class OnlineRolloutSource:
         self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next step to hand out
-        self._rank, self._world_size = 0, 1
+        self._rank, self._world_size = 0, 1  # among the data-parallel ranks (attach() reads the layout)
+        self._global_rank = 0
+        self._group = None  # the data-parallel group the colocated blocks are gathered over
         self._syncs_weights = True  # whether this rank's generator receives the weights (attach() decides)
         self._producer: AsyncProducer | None = None  # async: the background generation thread
         self.discarded_steps = 0  # async: steps generated but never trained (counted at close())
@@ -193,14 +195,17 @@ class OnlineRolloutSource:
 
     # ------------------------------------------------------------------ the training loop's side
 
-    def attach(self, policy: nn.Module, version: int = 0, engine: EngineOptions | None = None) -> None:
-        """Connect to the trainer's policy before the first step; ``version`` is its current optimizer step and
-        ``engine`` the trainer's :class:`~lightning_dta.EngineOptions` (for the forward-only walks).
+    def attach(self, policy: nn.Module, version: int = 0, engine: EngineOptions | None = None,
+               layout: ParallelLayout | None = None) -> None:
+        """Connect to the trainer's policy before the first step; ``version`` is its current optimizer step,
+        ``engine`` the trainer's :class:`~lightning_dta.EngineOptions` (for the forward-only walks) and ``layout`` the
+        strategy's :class:`~lightning_dta.contracts.ParallelLayout` (default: every rank its own data-parallel rank).
 
         Loads the tokenizer if a name was given, hands the policy to the generator (shared in sync mode, copied
         in async mode; disaggregated: on rank 0 only), freezes a reference copy when ``ref_logprobs`` is on, and
-        starts the background thread in async mode. Every rank calls it (the ranks are read from
-        ``torch.distributed``).
+        starts the background thread in async mode. Every rank calls it. Colocated blocks are cut over the
+        data-parallel ranks: the tensor-parallel peers of a rank generate its blocks alike (the same weights and
+        seeds), and the blocks are gathered over the data-parallel group.
         """
         if self.policy is not None:
             raise RuntimeError("OnlineRolloutSource.attach() was called twice; close() it first, or build a new "
@@ -218,7 +223,10 @@ class OnlineRolloutSource:
         if self.max_context is None:
             # a user's model: not every nn.Module carries a Hugging Face config
             self.max_context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
-        self._rank, self._world_size = rank(), world_size()
+        layout = layout or ParallelLayout()
+        self._group = layout.data_parallel_group
+        self._rank, self._world_size = layout.data_parallel_rank, layout.data_parallel_size
+        self._global_rank = rank()
         self.policy = policy
         self.engine = EngineOptions.resolve(engine)
         self._version = version
@@ -240,7 +248,7 @@ class OnlineRolloutSource:
     @property
     def _generates(self) -> bool:
         """Whether this rank generates (colocated: every rank; disaggregated: rank 0)."""
-        return self.placement == "colocated" or self._rank == 0
+        return self.placement == "colocated" or self._global_rank == 0
 
     def resolve_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer: the one given, loaded from the given name or path, or the environment's default."""
@@ -362,7 +370,7 @@ class OnlineRolloutSource:
     def _gather(self, local: Generated | None) -> list[Generated]:
         """Every generating rank's share of the step (colocated: all-gathered; disaggregated: rank 0's, broadcast)."""
         if self.placement == "colocated":
-            return all_gather_objects(local)
+            return all_gather_objects(local, group=self._group)
         return [broadcast_object(local, src=0)]
 
     def _check_shares(self, shares: list[Generated]) -> tuple[int, int]:

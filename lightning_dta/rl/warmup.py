@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from lightning_dta.contracts import ParallelLayout
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
-from lightning_dta.distributed.collectives import world_size
 from lightning_dta.distributed.sharding import is_sharded, reduce_gradients, unsharded
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs, tree_loss_normalizer
 from lightning_dta.rl.environment import Environment, encode_observation
@@ -67,13 +67,14 @@ class WarmStartResult:
 
 def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedTokenizerBase, steps: int, *,
                    lr: float = 3e-3, batch_size: int = 32, add_bos: bool = True,
-                   engine: EngineOptions | None = None) -> WarmStartResult:
+                   engine: EngineOptions | None = None, layout: ParallelLayout | None = None) -> WarmStartResult:
     """Train ``model`` for ``steps`` AdamW steps on batches of ``batch_size`` demonstrations.
 
     A private optimizer is used and dropped, so the RL optimizer starts with fresh state. Demonstrations come
     from prompt indices ``DEMONSTRATION_OFFSET + k``, not the RL prompts. On several ranks every rank trains on the
     same batches (the warm start is small): replicated weights stay identical without communication; sharded
-    weights (``dta_fsdp``) sum every rank's gradient, so each rank divides by the number of ranks. (The policy loss
+    weights (``dta_fsdp``) sum every data-parallel rank's gradient (``layout``: the strategy's), so each rank divides
+    by the number of data-parallel ranks. (The policy loss
     of an SFT step is always -1 - the advantage times a ratio of 1 - so progress is reported as the NLL instead.)
     ``engine``: the :class:`~lightning_dta.EngineOptions` of the training and forward-only walks.
     """
@@ -88,7 +89,7 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
     nll_before = demonstration_nll(model, evaluation, engine)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     loss_fn = PolicyLoss()
-    copies = world_size() if is_sharded(model) else 1
+    copies = (layout or ParallelLayout()).data_parallel_size if is_sharded(model) else 1
     for step in range(steps):
         first = DEMONSTRATION_OFFSET + step * batch_size
         tree = PrefixTree.from_rollouts([demonstration_rollout(env, tokenizer, first + k, add_bos)

@@ -16,6 +16,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
+from lightning_dta.contracts import parallel_layout
 from lightning_dta.distributed.collectives import all_gather_floats, synchronize
 from lightning_dta.distributed.step import batch_tree
 
@@ -63,7 +64,10 @@ class TreeThroughputMonitor(Callback):
         tree = batch_tree(batch)
         stats = (0, 0, 0) if tree is None else (tree.stats.num_rollouts, tree.stats.logical_tokens,
                                                  tree.stats.tree_tokens)
-        ranks = all_gather_floats([elapsed, *stats], device)  # every rank calls this hook: no hang
+        # every rank calls this hook: no hang; over the ranks that walk different trees (tensor-parallel peers walk
+        # one tree: counting every peer would count its tokens once per peer)
+        group = parallel_layout(trainer.strategy).data_parallel_group
+        ranks = all_gather_floats([elapsed, *stats], device, group=group)
         slowest = max(r[0] for r in ranks)
         fastest = min(r[0] for r in ranks)
         rollouts, logical, tree_tokens = (sum(r[i] for r in ranks) for i in (1, 2, 3))
