@@ -22,6 +22,7 @@ from lightning_dta.core.balance import partition
 from lightning_dta.core.rollout import RolloutError, read_rollouts
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.options import EngineOptions
+from lightning_dta.plan.flops import tensor_parallel_config
 from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step
 from lightning_dta.plan.rates import probe_rates
 from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_count
@@ -92,6 +93,11 @@ def build_parser() -> ArgumentParser:
                         f"engine options that fit in it, less {HEADROOM:.0%} headroom")
     parser.add_argument("--recompute-chunk", default=RECOMPUTE_CHUNK, type=int,
                         help="chunk_size of the dfs-recompute row")
+    parser.add_argument("--tensor-parallel", default=1, type=int,
+                        help="tensor-parallel size (dta_fsdp): --devices is all ranks, the step is split over "
+                        "devices / tensor-parallel data-parallel ranks")
+    parser.add_argument("--walk-gradient-dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="dta_fsdp: the dtype of the gradient the walk accumulates (DTAFSDPStrategy's option)")
     add_engine_options(parser)
     parser.add_argument("--seed", default=0, type=int, help="seed of the bench workload")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
@@ -111,7 +117,10 @@ def _rank_trees(args: Namespace, config) -> tuple[list[PrefixTree], str]:
         raise PlanError(f"{what} holds no rollouts")
     if args.devices < 1:
         raise PlanError(f"--devices {args.devices}: use 1 or more")
-    shares = partition(rollouts, args.devices) if args.devices > 1 else [list(range(len(rollouts)))]
+    if args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
+        raise PlanError(f"--tensor-parallel {args.tensor_parallel} must divide --devices {args.devices}")
+    walkers = args.devices // args.tensor_parallel  # tensor-parallel peers walk one tree
+    shares = partition(rollouts, walkers) if walkers > 1 else [list(range(len(rollouts)))]
     trees = [PrefixTree.from_rollouts([rollouts[i] for i in share], vocab_size=text.vocab_size,
                                       # optional config fields: not every model family has them
                                       max_positions=getattr(text, "max_position_embeddings", None))
@@ -148,9 +157,11 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
     trees, what = _rank_trees(args, config)
     parameters = parameter_count(config)
     try:
-        state = TrainingState(parameters, args.precision, args.optimizer, args.strategy, args.devices)
+        state = TrainingState(parameters, args.precision, args.optimizer, args.strategy, args.devices,
+                              args.tensor_parallel, args.walk_gradient_dtype)
+        config = tensor_parallel_config(config, args.tensor_parallel)  # what one rank computes
     except ValueError as error:
-        raise PlanError(str(error)) from error
+        raise PlanError(f"{error} (--tensor-parallel, --strategy, --precision, --walk-gradient-dtype)") from error
     rates = probe_rates(config, PRECISIONS[args.precision][1])
     engine = parser.instantiate(args).engine
     try:
@@ -176,13 +187,16 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
         return 0
     shape = plans[0].shape
     print(f"model: {args.model} ({shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}, "
-          f"{parameters / 1e6:,.1f}M parameters), {args.precision}, {args.strategy} on {args.devices} rank(s)")
+          f"{parameters / 1e6:,.1f}M parameters), {args.precision}, {args.strategy} on {args.devices} rank(s)"
+          + (f", tensor parallelism {args.tensor_parallel} (a rank: 1/{args.tensor_parallel} of the heads, the MLP "
+             "and the vocabulary; the residual stream whole)" if args.tensor_parallel > 1 else ""))
     print(f"step: {what}: {sum(t.stats.num_rollouts for t in trees)} rollouts, {logical:,} logical tokens, "
           f"{tree_tokens:,} tree tokens (compression {logical / tree_tokens:.2f}), longest "
           f"{max(t.stats.max_depth_tokens for t in trees):,}")
     print(f"state per rank: weights {gib(state.weights)}, gradients {gib(state.gradients)}, optimizer "
           f"{gib(state.optimizer_state)}"
-          + (f", unsharded weights + float32 gradient during the walk {gib(state.gathered)}" if state.gathered else "")
+          + (f", unsharded weights + {args.walk_gradient_dtype} gradient during the walk {gib(state.gathered)}"
+             if state.gathered else "")
           + f" = {gib(state.total)}")
     print("\nper rank, the largest over ranks (activations: saved for backward + dfs path buffers + "
           "checkpointing's recomputed layer + the head's working set)")

@@ -20,9 +20,10 @@ class ModelShape:
     head_dim: int
     intermediate: int
     vocab: int
+    vocab_shards: int = 1  # a vocabulary-parallel head computes 1/vocab_shards of the logits on each rank
 
     @classmethod
-    def from_config(cls, config) -> ModelShape:
+    def from_config(cls, config, vocab_shards: int = 1) -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
@@ -30,7 +31,7 @@ class ModelShape:
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    # optional config fields: not every model family has them
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                   intermediate=text.intermediate_size, vocab=text.vocab_size)
+                   intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=vocab_shards)
 
     @property
     def linear_macs_per_token(self) -> int:
@@ -45,7 +46,7 @@ class ModelShape:
 
     @property
     def head_macs_per_position(self) -> int:
-        return self.hidden * self.vocab
+        return self.hidden * self.vocab // self.vocab_shards
 
     def forward_flops(self, tokens: float, pairs: float, positions: float) -> float:
         """One forward of ``tokens`` computed tokens, ``pairs`` attended (query, key) pairs and ``positions``
@@ -83,3 +84,29 @@ class WorkCount:
         """Forward and backward (two forwards) of everything, plus the re-run body forwards."""
         return (3 * shape.forward_flops(self.tokens, self.pairs, self.positions)
                 + shape.forward_flops(self.recomputed_tokens, self.recomputed_pairs, 0))
+
+
+def tensor_parallel_config(config, size: int):
+    """The shape one rank of a tensor-parallel group of ``size`` computes, as a model config: attention heads, key/
+    value heads and the MLP width divided by ``size``, the hidden size (the residual stream: no sequence parallelism)
+    and the vocabulary (the head's logits are gathered whole) unchanged. Its activation rates and path buffers are
+    that rank's; its FLOPs too, with the head's divided by ``size`` (``ModelShape.from_config(..., vocab_shards)``).
+    Raises ``ValueError`` when ``size`` does not divide what it splits (the strategy refuses the same)."""
+    import copy
+
+    if size == 1:
+        return config
+    local = copy.deepcopy(config)
+    text = local.get_text_config() if hasattr(local, "get_text_config") else local
+    heads = text.num_attention_heads
+    # optional config fields: not every model family has them
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads  # optional config field
+    for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", text.intermediate_size), ("vocab_size", text.vocab_size)):
+        if count % size:
+            raise ValueError(f"tensor parallelism of {size} does not divide {what}={count}")
+    text.num_attention_heads, text.num_key_value_heads = heads // size, kv_heads // size
+    text.head_dim = head_dim
+    text.intermediate_size //= size
+    return local

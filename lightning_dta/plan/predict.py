@@ -212,7 +212,7 @@ def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, dt
 def predict_mode(name: str, spec: ModeSpec, tree: PrefixTree, config, rates: ActivationRates,
                  state: TrainingState, step: StepData | None = None) -> ModePrediction:
     """One mode's prediction (dfs or vanilla, with or without activation checkpointing)."""
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(config, state.tensor_parallel)
     dtype = state.activation_dtype
     step = step or StepData(tree, PolicyLoss())
     if spec.engine.mode == "dfs" and not spec.activation_checkpointing:
@@ -231,7 +231,7 @@ def plan_step(tree: PrefixTree, config, rates: ActivationRates, state: TrainingS
     step = StepData(tree, loss_fn or PolicyLoss())
     predictions = {name: predict_mode(name, spec, tree, config, rates, state, step) for name, spec in modes.items()}
     walk_engine = next((s.engine for s in modes.values() if s.engine.mode == "dfs"), EngineOptions())
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(config, state.tensor_parallel)
     forward_only, vanilla_forward = _forward_only(tree, walk_engine, shape, state.activation_dtype, config)
     return StepPlan(shape, state, predictions, forward_only, vanilla_forward, tree.stats)
 
@@ -251,7 +251,7 @@ def fitting_options(tree: PrefixTree, config, rates: ActivationRates, state: Tra
     engine = engine or EngineOptions()
     loss_fn = loss_fn or PolicyLoss()
     usable = memory * (1 - HEADROOM)
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(config, state.tensor_parallel)
     dtype = state.activation_dtype
     step = StepData(tree, loss_fn)
     base = dataclasses.replace(engine, mode="dfs", activation="keep", activation_memory_budget=None)

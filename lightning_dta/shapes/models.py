@@ -16,6 +16,10 @@ PRESETS = {
                        head_dim=128, tie=True),
     "qwen3-8b": dict(arch="qwen3", layers=36, hidden=4096, heads=32, kv_heads=8, intermediate=12288, vocab=151936,
                      head_dim=128),
+    "qwen3-32b": dict(arch="qwen3", layers=64, hidden=5120, heads=64, kv_heads=8, intermediate=25600, vocab=151936,
+                      head_dim=128),
+    "llama-70b": dict(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, intermediate=28672, vocab=128256,
+                      head_dim=128),  # Llama 3 70B's shape
 }
 
 
