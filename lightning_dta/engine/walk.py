@@ -18,6 +18,9 @@ walker implements: it forwards the batch, writes each chunk's keys/values into t
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from lightning_dta.core.tree import PrefixTree, TreeNode
@@ -62,6 +65,28 @@ def order_children(node: TreeNode, order: str) -> list[TreeNode]:
     return sorted(node.children, key=lambda c: (not c.is_leaf, c.length if c.is_leaf else len(c.rollouts)))
 
 
+FRAMES_PER_CHUNK = 4  # visit_batch -> descend -> visit_batch (visit_children at a node's end), with room to spare
+
+
+@contextmanager
+def recursion_room(chunks: int) -> Iterator[None]:
+    """Let the depth-first walk recurse through ``chunks`` chunks on one path: a long rollout in small chunks
+    (``chunk_size=16`` over 16K tokens, or ``activation="auto"`` cutting chunks to fit a tight budget) goes deeper
+    than Python's default limit of 1000 frames. The walk's frames are Python-to-Python calls, which CPython 3.11+
+    keeps off the C stack, and their number is bounded by the path; the limit is restored afterwards."""
+    before = sys.getrecursionlimit()
+    frame, depth = sys._getframe(), 0
+    while frame is not None:
+        frame, depth = frame.f_back, depth + 1
+    needed = depth + FRAMES_PER_CHUNK * chunks + 100
+    if needed > before:
+        sys.setrecursionlimit(needed)
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(before)
+
+
 def batch_by_budget(chunks: list[Chunk], budget: int | None, packed: bool) -> list[list[Chunk]]:
     """Group consecutive chunks so that a batch computes at most ``budget`` tokens (``None``: one per batch).
 
@@ -99,7 +124,20 @@ class TreeWalk:
         self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=self.with_grads)
 
     def run(self) -> None:
-        self.visit_children(self.tree.root)
+        with recursion_room(self.deepest_chain()):
+            self.visit_children(self.tree.root)
+
+    def deepest_chain(self) -> int:
+        """The most chunks on one root-to-leaf path: the walk's recursion depth (a node of ``n`` tokens is
+        ``ceil(n / chunk)`` chunks, each one level deeper than the last)."""
+        chunk = self.chunk_tokens()
+        depth = {self.tree.root.index: 0}
+        deepest = 0
+        for node in self.tree.iter_nodes():  # parents before children
+            chunks = 1 if chunk is None else -(-node.length // chunk)
+            depth[node.index] = depth[node.parent.index] + chunks
+            deepest = max(deepest, depth[node.index])
+        return deepest
 
     def groups(self, chunks: list[Chunk]) -> list[list[Chunk]]:
         """The chunks of sibling nodes, in the groups batches may not cross (one group here)."""

@@ -116,3 +116,33 @@ def test_padded_layout():
     assert kept.tolist() == [0, 1, 2]  # the union over rows
     logits = torch.arange(6.0).view(2, 3, 1)
     assert [t.flatten().tolist() for t in batch.split_logits(logits, kept, columns)] == [[1.0, 2.0], [3.0]]
+
+
+def test_a_long_path_of_small_chunks_is_walked_exactly():
+    """Every chunk is one level of the walk's recursion: 600 one-token chunks on a path take more frames than
+    Python's default limit (1000), as a long rollout in small chunks (or ``auto`` under a tight budget) does. The
+    walk makes room for its own depth and computes the one-chunk gradient."""
+    import random
+    import sys
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=1024)).double()
+    rng = random.Random(0)
+    shared = [rng.randrange(32) for _ in range(600)]
+    rollouts = [dta.Rollout(input_ids=shared + [rng.randrange(32) for _ in range(8)], advantages=a)
+                for a in (1.0, -0.5)]
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    limit = sys.getrecursionlimit()
+    results = []
+    for chunk_size in (None, 1):
+        out = dta.tree_backward(model, tree, dta.PolicyLoss(), activation="recompute", chunk_size=chunk_size)
+        results.append((out.loss, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        model.zero_grad(set_to_none=True)
+    assert sys.getrecursionlimit() == limit  # restored
+    (whole, expected), (chunked, got) = results
+    assert abs(chunked - whole) <= 1e-12 * abs(whole)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-9, atol=1e-12, msg=name)
