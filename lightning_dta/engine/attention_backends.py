@@ -182,11 +182,18 @@ class CPUFlashBackend(AttentionBackend):
 
 
 def argument_names(fn: Callable) -> list[str]:
-    """The argument names of a PyTorch op (from its schema) or of a Python function (from its signature)."""
-    # optional library feature: a torch op has a schema, a plain Python function has none
-    schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
-    if schema is not None:
-        return [a.name for a in schema.arguments]
+    """The argument names of a PyTorch op (from its schema) or of a Python function (from its signature).
+
+    An op overload has a ``torch._C.FunctionSchema`` as ``_schema``, an op packet on ``.default``. A
+    ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its varlen functions in one under torch >= 2.4) holds its
+    schema as a *string* in ``_schema`` and the parsed one on its ``_opoverload``; its ``__call__`` takes
+    ``(*args, **kwargs)``, so without a parsed schema the undecorated function (``_init_fn``) is read."""
+    # optional library features: an op packet has .default, a custom op ._opoverload, a plain function neither
+    for op in (fn, getattr(fn, "default", None), getattr(fn, "_opoverload", None)):
+        # optional library feature: a torch op has a schema, a plain Python function has none
+        schema = getattr(op, "_schema", None)
+        if isinstance(schema, torch._C.FunctionSchema):
+            return [a.name for a in schema.arguments]
     # optional library feature: torch.library custom ops wrap the function they were made from
     return list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
