@@ -6,8 +6,9 @@ native, sequences given by cumulative offsets):
 
 - ``forward(q, k, v, q_lens, k_lens, causal, scale) -> (out [T, H, D], lse [H, T])``: attention of each
   query sequence over its key sequence and the log-sum-exp of its scores (float32; float64 for float64
-  inputs). ``causal`` is bottom-right aligned, as in flash-attention (the glue only makes causal calls whose
-  query and key sequences have equal lengths, so the alignment never matters);
+  inputs). The glue makes causal calls only where each query sequence has as many tokens as its key sequence, so
+  the alignment of the causal mask never matters (and differs: flash-attention's CUDA kernels and the reference
+  align it bottom-right, PyTorch's CPU flash kernel top-left);
 - ``backward(grad_out, q, k, v, out, lse, q_lens, k_lens, causal, scale) -> (dq, dk, dv)`` from a *given*
   output and log-sum-exp: the flash-attention backward. Called with the merged output and log-sum-exp of
   several key blocks, it returns exactly that block's share of the gradient, which is how the blocks of a
