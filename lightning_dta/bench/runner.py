@@ -21,6 +21,7 @@ from lightning_dta.core.tree import PrefixTree, TreeStats
 from lightning_dta.distributed.collectives import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.engine.activation_budget import path_kv_bytes
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.plan.flops import ModelShape, speedup_limit
 from lightning_dta.shapes.modes import ModeSpec
@@ -149,7 +150,7 @@ def _per_rollout_logprobs(model: nn.Module, tree: PrefixTree) -> list[torch.Tens
     out = []
     with torch.no_grad():
         for tokens in tree.token_tensors:
-            ids = tokens[None].to(device)
+            ids = to_device(tokens[None], device)
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
