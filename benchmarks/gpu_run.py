@@ -27,6 +27,7 @@ import importlib.util
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -100,19 +101,21 @@ def record(out: Path, entry: dict) -> None:
 
 
 def run_phase(name: str, command: list[str], budget: float, out: Path, clock: Clock, log: str,
-              reserve: float = TARGETS_S) -> int | None:
+              reserve: float = TARGETS_S) -> None:
     """Run ``command`` for at most ``budget`` seconds, and never past the deadline less ``reserve``; stream its
-    output (and copy it to ``out/log``); record the outcome. Returns the exit status (``None``: not run or cut)."""
+    output (and copy it to ``out/log``); record the outcome in ``phases.jsonl``."""
     limit = min(budget, clock.left() - reserve)
     if limit < 10:
         print(f"== {name}: skipped, {clock.left():.0f} s left before the deadline", flush=True)
         record(out, {"phase": name, "status": "skipped", "budget_s": round(budget, 1)})
-        return None
+        return
     print(f"== {name} (budget {limit:.0f} s): {shlex.join(command)}", flush=True)
     start = time.monotonic()
     with (out / log).open("w") as sink, subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
-                                                         stderr=subprocess.STDOUT, text=True, bufsize=1) as process:
-        watchdog = threading.Timer(limit, process.kill)  # also cuts a phase that hangs without printing
+                                                         stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                                         start_new_session=True) as process:
+        # the whole process group: a phase's own subprocesses would otherwise keep its output open
+        watchdog = threading.Timer(limit, os.killpg, (process.pid, signal.SIGKILL))  # also cuts a silent hang
         watchdog.start()
         for line in process.stdout:
             print(line, end="", flush=True)
@@ -126,7 +129,6 @@ def run_phase(name: str, command: list[str], budget: float, out: Path, clock: Cl
           f"(budget {limit:.0f} s)", flush=True)
     record(out, {"phase": name, "status": "cut" if cut else status, "seconds": round(seconds, 1),
                  "budget_s": round(limit, 1)})
-    return None if cut else status
 
 
 def readiness_rate(out: Path) -> tuple[float, str]:

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -52,3 +54,19 @@ def test_smoke_runs_every_phase_and_keeps_each_part(tmp_path):
                                                               "long_sequence"]
     assert "grpo: dfs speed-up over vanilla-ckpt" in proc.stdout  # the targets, read from the parts
     assert archive.stat().st_size > 1000
+
+
+def test_a_phase_that_hangs_is_cut_at_its_budget_with_its_subprocesses(tmp_path, monkeypatch):
+    """A phase that prints, then hangs silently while a subprocess of its own holds its output open, is killed with
+    that subprocess at its budget, and the cut is recorded: the run goes on to its next phase."""
+    spec = importlib.util.spec_from_file_location("gpu_run", helpers.REPO / "benchmarks" / "gpu_run.py")
+    gpu_run = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_run", gpu_run)  # (its dataclasses look their module up)
+    spec.loader.exec_module(gpu_run)
+    start = time.monotonic()
+    gpu_run.run_phase("hangs", ["bash", "-c", "echo started; (sleep 300) & sleep 300"], 10, tmp_path,
+                      gpu_run.Clock(60), "hangs.txt", reserve=0)
+    assert time.monotonic() - start < 30
+    (entry,) = [json.loads(line) for line in (tmp_path / "phases.jsonl").read_text().splitlines()]
+    assert entry["phase"] == "hangs" and entry["status"] == "cut"
+    assert (tmp_path / "hangs.txt").read_text() == "started\n"
