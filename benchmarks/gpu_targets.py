@@ -1,4 +1,4 @@
-"""The GPU targets of the benchmark, read from the bench.json files of ``benchmarks/gpu.sh``.
+"""The GPU targets of the benchmark, read from the results ``benchmarks/gpu.sh`` wrote (``<run>.jsonl``).
 
 Targets (issue 12): dfs at >= 0.9 of the FLOP limit on the GRPO and agent workloads; dfs CUDA peak memory
 <= 0.5 of per-rollout training without checkpointing on the agent workload; dfs speed-up over checkpointed
@@ -39,15 +39,29 @@ def targets(record: dict) -> list[tuple[str, float | None, float, bool | None]]:
     return out
 
 
+def records(out_dir: Path) -> dict[str, dict]:
+    """Per bench run, its measured workloads so far: the ``<run>.jsonl`` files that ``--results-jsonl`` appends to
+    as each workload finishes (a run cut at its budget keeps what it finished)."""
+    found = {}
+    for path in sorted(out_dir.glob("*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        parts = [line for line in lines if line.get("part") == "workload"]
+        if parts:
+            found[path.stem] = {"meta": parts[0]["meta"], "results": [r for p in parts for r in p["results"]],
+                                "skipped": [s for p in parts for s in p["skipped"]],
+                                "workloads": [p["workload"] for p in parts]}
+    return found
+
+
 def main(out_dir: str) -> int:
-    for path in sorted(Path(out_dir).glob("*/bench.json")):
-        record = json.loads(path.read_text())
+    for name, record in records(Path(out_dir)).items():
         meta = record["meta"]
-        print(f"\n{path.parent.name} on {meta.get('gpu') or meta.get('device')} ({meta.get('date')}):")
+        print(f"\n{name} on {meta.get('gpu') or meta.get('device')} ({meta.get('date')}; measured: "
+              f"{', '.join(record['workloads'])}):")
         for what, measured, target, met in targets(record):
             verdict = "met" if met else "NOT met"
             print(f"  {what:<66} {measured:7.2f}  (target {target:.2f}: {verdict})")
-        for note in meta.get("skipped", []):
+        for note in record["skipped"]:
             print(f"  skipped {note}")
     return 0
 

@@ -55,6 +55,27 @@ def test_plan_does_not_import_bench() -> None:
         assert not [m for m, _ in imports(path) if m.startswith("lightning_dta.bench")], path.name
 
 
+def _names_a_device(node: ast.expr) -> bool:
+    """``device``, ``info.device``, ``t.device``, ...: an expression that names a device."""
+    return (isinstance(node, ast.Name) and node.id == "device") or \
+        (isinstance(node, ast.Attribute) and node.attr == "device")
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "engine").glob("*.py")), ids=lambda p: p.name)
+def test_the_engine_copies_to_the_device_only_through_to_device(path: Path) -> None:
+    """A plain ``tensor.to(device)`` from pageable host memory makes the host wait for the copy (a sync per
+    chunk, or per micro-batch in the baselines, which would flatter dfs's speed-up); ``engine/device.py``'s
+    ``to_device`` stages through pinned memory and copies without blocking. CUDA's sync-debug mode proves it on a
+    GPU (tests/gpu); this holds every engine module to it on any machine."""
+    if path.name == "device.py":
+        return
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("to", "cuda"):
+            targets = list(node.args[:1]) + [k.value for k in node.keywords if k.arg == "device"]
+            assert node.func.attr != "cuda" and not any(_names_a_device(t) for t in targets), \
+                f"{path.name}:{node.lineno}: {ast.unparse(node)} copies to the device; use device.to_device"
+
+
 HANDSHAKE = re.compile(r"getattr\((?P<obj>[^,]+),\s*\"(?P<name>\w+)\"")
 
 

@@ -18,10 +18,13 @@ import torch
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_dta.bench import report
-from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench
+from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench, skip_reason
+from lightning_dta.bench.work import BenchWork, bench_flops
 from lightning_dta.cli import add_engine_options
+from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
-from lightning_dta.shapes.models import ARCHITECTURES, PRESETS, build_model
+from lightning_dta.plan.flops import ModelShape
+from lightning_dta.shapes.models import ARCHITECTURES, PRESETS, build_model, model_config
 from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, ModeSpec, compared_modes
 from lightning_dta.shapes.workloads import AgentWorkload, FileWorkload, GRPOWorkload, TreeSearchWorkload
 
@@ -94,6 +97,9 @@ def build_parser() -> ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--out", default=None, help="directory for bench.json and the PNG plots")
     out.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    out.add_argument("--results-jsonl", default=None,
+                     help="append each part's results (a workload's rows, the memory sweep, the long rollout) to this "
+                     "JSON-lines file as soon as it is measured, so that a run stopped midway keeps them")
     out.add_argument("--threads", default=None, type=int, help="torch.set_num_threads")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
@@ -116,12 +122,35 @@ def _workloads(args: Namespace) -> dict[str, object]:
     return chosen
 
 
-def _model(args: Namespace) -> torch.nn.Module:
+def _shape(args: Namespace) -> dict:
     shape = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                  intermediate=args.intermediate, vocab=args.vocab)
     shape.update(PRESETS.get(args.preset, {}))
-    return build_model(**shape, dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn,
+    return shape
+
+
+def _model(args: Namespace) -> torch.nn.Module:
+    return build_model(**_shape(args), dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn,
                        seed=args.seed)
+
+
+def estimate(argv: Sequence[str]) -> tuple[BenchWork, object]:
+    """The FLOPs that ``lightning-dta bench ARGV`` will compute (:mod:`~lightning_dta.bench.work`) and the model's
+    config, without building the model or running anything."""
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    config = model_config(**_shape(args), attn_implementation=args.attn)
+    modes, _ = _modes(args, parser.instantiate(args).engine)
+    device = torch.device(args.device)
+    workloads = {}
+    for name, workload in _workloads(args).items():
+        tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed))
+        workloads[name] = (tree, {m: s for m, s in modes.items() if skip_reason(m, s, name, device) is None})
+    work = bench_flops(ModelShape.from_config(config), workloads, repeats=args.repeats, warmup=args.warmup,
+                       logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
+                       recompute_chunk=args.recompute_chunk, vocab=config.vocab_size, seed=args.seed,
+                       mask_in_sweep=args.attn in ("sdpa", "eager"))
+    return work, config
 
 
 def _modes(args: Namespace, engine: EngineOptions) -> tuple[dict[str, ModeSpec], ModeSpec | None]:
@@ -156,9 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar.set_postfix_str(message)
         bar.update(1)
 
+    meta = {"date": datetime.date.today().isoformat(), "argv": list(argv or sys.argv[1:]),
+            "machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "device": args.device,
+            "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
+
+    def finished(part: str, record: dict) -> None:
+        if args.results_jsonl:
+            report.append_jsonl(Path(args.results_jsonl), {"part": part, "meta": meta, **record})
+
     results = run_bench(model, workloads, modes, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                         logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
-                        recompute_chunk=args.recompute_chunk, engine=engine, profile=profiled, progress=progress)
+                        recompute_chunk=args.recompute_chunk, engine=engine, profile=profiled, progress=progress,
+                        finished=finished)
     bar.close()
     config = model.config
     header = (f"model: {args.arch if not args.preset else args.preset} {config.num_hidden_layers} layers, hidden "
@@ -166,10 +205,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{torch.__version__}; {torch.get_num_threads()} threads")
     print(report.render(results, header, args.profile))
     if args.out:
-        meta = {"date": datetime.date.today().isoformat(), "argv": list(argv or sys.argv[1:]),
-                "machine": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "device": args.device,
-                "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
         written = report.save(Path(args.out), meta, results, plots=not args.no_plots)
         print("\nwrote " + ", ".join(str(p) for p in written))
     return 0

@@ -27,6 +27,7 @@ from torch import nn
 
 from lightning_dta.core.losses import PolicyLoss, empty_sums
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.engine.device import host_values, to_device
 from lightning_dta.engine.forward import score
 from lightning_dta.engine.hf_attention import AttentionSwitch, attention_configs
 from lightning_dta.engine.model_info import inspect_model, loss_dtype
@@ -88,7 +89,7 @@ def prefix_grouper_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyL
 
     info = inspect_model(model, uses_cache=False, prefix_attention=False, prefix_attention_backend=None)
     step = StepData(tree, loss_fn, device=info.device, dtype=loss_dtype(info.dtype))
-    sums, total = empty_sums(), 0.0
+    sums, total = empty_sums(), []
     for group in tree.root.children:
         members = list(group.rollouts)
         lengths = [int(step.lengths[r]) for r in members]
@@ -108,17 +109,18 @@ def prefix_grouper_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyL
             continue
         grouper = PrefixGrouper([[prefix, *[n - prefix for n in lengths]]], device=info.device, padding_mode="right")
         with _grouped(model, grouper, attention):
-            logits = model(input_ids=row[None].to(info.device), position_ids=positions[None].to(info.device),
-                           logits_to_keep=kept.to(info.device), use_cache=False).logits[0]
+            logits = model(input_ids=to_device(row[None], info.device),
+                           position_ids=to_device(positions[None], info.device),
+                           logits_to_keep=to_device(kept, info.device), use_cache=False).logits[0]
         losses = []
         for t, where in zip(targets, packed):
             if t.empty:
                 continue
-            rows = logits.index_select(0, torch.searchsorted(kept, where).to(logits.device))
+            rows = logits.index_select(0, to_device(torch.searchsorted(kept, where), logits.device))
             logp, entropy = score(rows, t.token_ids, step.dtype, with_entropy=True,
                                   entropy_grad=loss_fn.needs_entropy_grad)
             losses.append(loss_fn(logp, entropy, t.data, sums))
         loss = sum(losses)
         loss.backward()
-        total += float(loss.detach())
-    return total
+        total.append(loss.detach())
+    return host_values([sum(total, 0.0)], info.device)[0]  # one host read per step, as the engine's

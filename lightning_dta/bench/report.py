@@ -54,6 +54,13 @@ def write_json(path: Path, meta: dict, all_rows: list[dict], memory_scaling: lis
     path.write_text(json.dumps({"meta": meta, "results": all_rows, "memory_scaling": memory_scaling}, indent=2))
 
 
+def append_jsonl(path: Path, record: dict) -> None:
+    """One JSON line appended (and the file closed, so that a killed process keeps it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 def save(out_dir: Path, meta: dict, results: BenchResults, plots: bool = True) -> list[Path]:
     """``bench.json`` (and the PNG plots) in ``out_dir``; returns the paths written."""
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from lightning_dta.core.tree import PrefixTree, TreeStats
 from lightning_dta.distributed.collectives import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.engine.activation_budget import path_kv_bytes
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.plan.flops import ModelShape, speedup_limit
 from lightning_dta.shapes.modes import ModeSpec
@@ -149,7 +150,7 @@ def _per_rollout_logprobs(model: nn.Module, tree: PrefixTree) -> list[torch.Tens
     out = []
     with torch.no_grad():
         for tokens in tree.token_tensors:
-            ids = tokens[None].to(device)
+            ids = to_device(tokens[None], device)
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
             out.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0])
     return out
@@ -213,14 +214,27 @@ MEMORY_SWEEP_MODES = 4  # progress steps per leaf count of the memory sweep (at 
 LONG_ROLLOUT_MODES = 3
 
 
-def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None,
-                   progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
+def memory_sweep_modes(sibling_batch_tokens: int | None, with_mask: bool) -> dict[str, ModeSpec]:
+    """The modes of the memory sweep (``with_mask``: the model's attention takes a 4-D tree mask)."""
     modes = {"dfs": ModeSpec(EngineOptions(sibling_batch_tokens=sibling_batch_tokens)),
              "dfs-unbatched": ModeSpec(EngineOptions(sibling_batch_tokens=None)),
              "mask": ModeSpec(EngineOptions(mode="mask")), "vanilla": ModeSpec(EngineOptions(mode="vanilla"))}
-    if model.config._attn_implementation not in ("sdpa", "eager"):
-        del modes["mask"]  # flash attention takes no 4-D tree mask
+    if not with_mask:
+        del modes["mask"]
+    return modes
+
+
+def long_rollout_modes(chunk_size: int) -> dict[str, ModeSpec]:
+    """The modes of the long-rollout memory check."""
+    return {"vanilla": ModeSpec(EngineOptions(mode="vanilla")), "dfs": ModeSpec(EngineOptions()),
+            "dfs-recompute": ModeSpec(EngineOptions(activation="recompute", chunk_size=chunk_size))}
+
+
+def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None,
+                   progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
+    # flash attention takes no 4-D tree mask
+    modes = memory_sweep_modes(sibling_batch_tokens, model.config._attn_implementation in ("sdpa", "eager"))
     out = []
     for n in leaves:
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
@@ -235,10 +249,8 @@ def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, ch
                         dtype: torch.dtype, progress: Callable[[str], None] | None = None) -> list[dict]:
     """One ``length``-token rollout: bytes saved for backward plus the dfs path buffers, per mode."""
     tree = PrefixTree.from_rollouts(LongSequenceWorkload(1, length).generate(vocab, seed))
-    modes = {"vanilla": ModeSpec(EngineOptions(mode="vanilla")), "dfs": ModeSpec(EngineOptions()),
-             "dfs-recompute": ModeSpec(EngineOptions(activation="recompute", chunk_size=chunk_size))}
     rows = []
-    for mode, spec in modes.items():
+    for mode, spec in long_rollout_modes(chunk_size).items():
         saved = saved_peak_bytes(model, tree, spec)
         path = path_buffer_bytes(model.config, length, dtype) if spec.engine.mode == "dfs" else 0
         rows.append({"mode": mode, "tokens": length, "peak_saved_mib": saved / 2**20,
@@ -283,8 +295,12 @@ def result_rows(workload: str, stats: TreeStats, results: dict[str, ModeResult],
 def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, ModeSpec], *, repeats: int,
               warmup: int, seed: int, recompute_chunk: int, engine: EngineOptions, logprobs: bool = True,
               memory_leaves: Sequence[int] = (), long_len: int = 0, profile: ModeSpec | None = None,
-              progress: Callable[[str], None] | None = None) -> BenchResults:
-    """Every mode on every workload, then the memory sweeps (module docstring)."""
+              progress: Callable[[str], None] | None = None,
+              finished: Callable[[str, dict], None] | None = None) -> BenchResults:
+    """Every mode on every workload, then the memory sweeps (module docstring). ``finished(part, record)`` is
+    called as each part ends (a workload's rows, the memory sweep, the long rollout), so that a run stopped
+    midway keeps what it measured."""
+    finished = finished or (lambda part, record: None)
     config = model.config
     shape = ModelShape.from_config(config)
     loss_fn = PolicyLoss()
@@ -311,10 +327,14 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
             results.rows += result_rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla")
         if profile is not None:
             results.profiles[name] = profile_step(model, tree, loss_fn, profile)
+        finished("workload", {"workload": name, "results": [r for r in results.rows if r["workload"] == name],
+                              "skipped": [s for s in results.skipped if s.startswith(f"{name}: ")]})
     if memory_leaves:
         results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed,
                                                 engine.sibling_batch_tokens, progress)
+        finished("memory_scaling", {"memory_scaling": results.memory_scaling})
     if long_len:
         results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, recompute_chunk,
                                                 next(model.parameters()).dtype, progress)
+        finished("long_sequence", {"long_sequence": results.long_rows})
     return results

@@ -25,6 +25,7 @@ from torch import nn
 from lightning_dta.contracts import Objective, TokenData
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
@@ -52,7 +53,7 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
     tree = PrefixTree.from_rollouts([Rollout(input_ids=[(7 * i) % vocab for i in range(PROBE_TOKENS)])])
     chunk = Chunk.first(tree.root.children[0], None)
     batch = SiblingBatch.of(tree, [chunk], info.packs_siblings)
-    targets = tree.tokens(chunk.node)[1:][None].to(info.device)
+    targets = to_device(tree.tokens(chunk.node)[1:][None], info.device)
     with torch.enable_grad(), torch.random.fork_rng(devices=[info.device] if info.device.type == "cuda" else []):
         with SavedTensorMeter(model) as body:
             forward_batch(model, info, batch, None, [torch.arange(0)])

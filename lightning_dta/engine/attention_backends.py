@@ -6,8 +6,9 @@ native, sequences given by cumulative offsets):
 
 - ``forward(q, k, v, q_lens, k_lens, causal, scale) -> (out [T, H, D], lse [H, T])``: attention of each
   query sequence over its key sequence and the log-sum-exp of its scores (float32; float64 for float64
-  inputs). ``causal`` is bottom-right aligned, as in flash-attention (the glue only makes causal calls whose
-  query and key sequences have equal lengths, so the alignment never matters);
+  inputs). The glue makes causal calls only where each query sequence has as many tokens as its key sequence, so
+  the alignment of the causal mask never matters (and differs: flash-attention's CUDA kernels and the reference
+  align it bottom-right, PyTorch's CPU flash kernel top-left);
 - ``backward(grad_out, q, k, v, out, lse, q_lens, k_lens, causal, scale) -> (dq, dk, dv)`` from a *given*
   output and log-sum-exp: the flash-attention backward. Called with the merged output and log-sum-exp of
   several key blocks, it returns exactly that block's share of the gradient, which is how the blocks of a
@@ -182,11 +183,18 @@ class CPUFlashBackend(AttentionBackend):
 
 
 def argument_names(fn: Callable) -> list[str]:
-    """The argument names of a PyTorch op (from its schema) or of a Python function (from its signature)."""
-    # optional library feature: a torch op has a schema, a plain Python function has none
-    schema = getattr(fn, "_schema", None) or getattr(getattr(fn, "default", None), "_schema", None)
-    if schema is not None:
-        return [a.name for a in schema.arguments]
+    """The argument names of a PyTorch op (from its schema) or of a Python function (from its signature).
+
+    An op overload has a ``torch._C.FunctionSchema`` as ``_schema``, an op packet on ``.default``. A
+    ``torch.library.custom_op`` (flash-attn >= 2.7 wraps its varlen functions in one under torch >= 2.4) holds its
+    schema as a *string* in ``_schema`` and the parsed one on its ``_opoverload``; its ``__call__`` takes
+    ``(*args, **kwargs)``, so without a parsed schema the undecorated function (``_init_fn``) is read."""
+    # optional library features: an op packet has .default, a custom op ._opoverload, a plain function neither
+    for op in (fn, getattr(fn, "default", None), getattr(fn, "_opoverload", None)):
+        # optional library feature: a torch op has a schema, a plain Python function has none
+        schema = getattr(op, "_schema", None)
+        if isinstance(schema, torch._C.FunctionSchema):
+            return [a.name for a in schema.arguments]
     # optional library feature: torch.library custom ops wrap the function they were made from
     return list(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 

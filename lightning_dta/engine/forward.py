@@ -141,8 +141,8 @@ def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, co
         position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
     kwargs = {"use_cache": False}
     if columns is not None and info.logits_to_keep:
-        kwargs["logits_to_keep"] = columns.to(input_ids.device)
+        kwargs["logits_to_keep"] = to_device(columns, input_ids.device)
     logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs).logits
     if columns is not None and not info.logits_to_keep:
-        logits = logits[:, columns.to(logits.device)]
+        logits = logits[:, to_device(columns, logits.device)]
     return logits

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree, common_prefix_length
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.step_data import StepData
@@ -72,9 +73,9 @@ def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: Ste
         if not rows:
             continue
         columns = torch.cat([offset + targets.columns for offset, targets in rows])
-        input_ids = torch.cat([pack.tokens(n) for n in pack.nodes[1:]])[None].to(info.device)
-        logits = forward_plain(model, info, input_ids, columns, position_ids=positions[None].to(info.device),
-                               attention_mask=mask.to(info.device))[0]
+        input_ids = to_device(torch.cat([pack.tokens(n) for n in pack.nodes[1:]])[None], info.device)
+        logits = forward_plain(model, info, input_ids, columns, position_ids=to_device(positions[None], info.device),
+                               attention_mask=to_device(mask, info.device))[0]
         loss = 0.0
         # split, not slices: backward assembles one gradient buffer instead of a full-size one per node
         per_node = torch.split(logits, [targets.columns.numel() for _, targets in rows])

@@ -13,6 +13,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import transformers
+from packaging.version import Version
 from torch import nn
 
 from lightning_dta.contracts import TENSOR_PARALLEL
@@ -76,6 +78,36 @@ def model_limits(model: nn.Module) -> tuple[int | None, int | None]:
     # optional config fields: not every model family has them
     max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
     return vocab_size, max_positions
+
+
+# transformers 5.18 made Doge's sdpa path causal (huggingface/transformers#48821: ``allow_is_causal_skip=False``).
+DOGE_CAUSAL_SDPA = Version("5.18.0")
+
+
+def dynamic_mask_reason(model: nn.Module, configs: tuple) -> str | None:
+    """Why a model whose attention adds its own dynamic mask (Doge's ``prepare_dynamic_mask``) is not causal in
+    its own forward, so that no prefix tree can reproduce it (``None``: it is causal). ``prepare_dynamic_mask``
+    folds the causal mask into its bias only when it gets one (``modeling_doge.py``: ``if attention_mask is not
+    None``) and always passes the bias on as the mask; under sdpa before 5.18 ``create_causal_mask`` returns
+    ``None`` for an unpadded call over an empty cache (the per-rollout forward, a tree's root chunk), and sdpa
+    turns ``is_causal`` off because a mask was given: every token attends to later tokens. Under flex attention
+    the causal mask is a ``BlockMask``, which the fold skips (still so in 5.24). Doge's MoE router splits its
+    logits over the token dimension (``.view(2, bsz * seq_len, -1)``), mixing tokens."""
+    if not any(hasattr(m, "prepare_dynamic_mask") for m in model.modules()):
+        return None
+    name = type(model).__name__
+    # optional config field: only Doge's config has it
+    if getattr(text_config(model), "is_moe", False):
+        return (f"{name}'s MoE router mixes the routing logits of different tokens (its own forward is not causal), "
+                "so a shared prefix cannot stand for it. Fix: mode='vanilla'")
+    implementations = {original_implementation(c) for c in configs}
+    causal = {"eager", "sdpa"} if Version(transformers.__version__) >= DOGE_CAUSAL_SDPA else {"eager"}
+    if implementations <= causal:
+        return None
+    return (f"{name} adds its own dynamic mask, which under attn_implementation={sorted(map(str, implementations))} "
+            f"with transformers {transformers.__version__} drops the causal mask (its own forward attends to later "
+            "tokens). Fix: load the model with attn_implementation='eager'"
+            + ("" if "sdpa" in causal else " (or 'sdpa' with transformers >= 5.18)") + ", or use mode='vanilla'")
 
 
 def compute_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -144,6 +176,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         raise ModelNotSupportedError(
             f"{type(model).__name__} has layers of type {cacheless}, which keep no keys/values: a shared prefix "
             "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
+    if uses_cache and (reason := dynamic_mask_reason(model, attention_configs(model))):
+        raise ModelNotSupportedError(f"{reason}.")
     configs, backend = (), None
     if uses_cache and prefix_attention is not False:
         configs, backend, reason = choose_prefix_attention(

@@ -192,8 +192,9 @@ _ACTIVE: ContextVar[SwitchedForward | None] = ContextVar("lightning_dta_prefix_a
 
 # Keyword arguments that attention modules pass and that do not change what attention computes here. Anything
 # else (sinks, soft-capping, position biases, sparse indices, ...) makes prefix attention refuse the model.
+# (transformers 5.0 and 5.1 hand the output_* flags a model forward gets, as from PEFT, down to every attention call.)
 ALLOWED_KWARGS = frozenset({"position_ids", "use_cache", "sliding_window", "output_router_logits",
-                            "output_attentions", "cache_position"})
+                            "output_attentions", "output_hidden_states", "cache_position"})
 
 
 class UnsupportedAttention(ModelNotSupportedError):

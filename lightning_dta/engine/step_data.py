@@ -16,7 +16,7 @@ import torch
 from lightning_dta.contracts import Objective, TokenData
 from lightning_dta.core.rollout import RolloutError
 from lightning_dta.core.tree import PrefixTree
-from lightning_dta.engine.device import to_device
+from lightning_dta.engine.device import expected_sync, to_device
 
 _NAN = float("nan")
 
@@ -118,8 +118,13 @@ class StepData:
 
     def set_current_logprobs(self, logprobs: list[torch.Tensor]) -> None:
         """GSPO: the per-rollout ``mean over trained tokens of (logp - prox)`` from the current weights' log-probs
-        (``tree_logprobs``: entry ``t - 1`` is token ``t``); prox defaults to old, old to logp itself."""
-        current = torch.cat([torch.cat([torch.zeros(1), lp.detach().to("cpu", torch.float64)]) for lp in logprobs])
+        (``tree_logprobs``: entry ``t - 1`` is token ``t``); prox defaults to old, old to logp itself. The
+        log-probs come to the host in one deliberate read (the step's sequence weights are host data)."""
+        flat = torch.cat([lp.detach() for lp in logprobs]).to(torch.float64)
+        with expected_sync(flat.device):
+            flat = flat.cpu()
+        current = torch.cat([torch.cat([torch.zeros(1, dtype=torch.float64), lp])
+                             for lp in torch.split(flat, [len(lp) for lp in logprobs])])
         prox = torch.where(torch.isnan(self.prox), self.old, self.prox).to(torch.float64)
         prox = torch.where(torch.isnan(prox), current, prox)
         self.seq_log_ratio = self._per_rollout_mean(current - prox)

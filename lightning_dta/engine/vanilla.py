@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_dta.contracts import Objective
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.engine.device import to_device
 from lightning_dta.engine.forward import forward_plain, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.sibling_batch import row_logits
@@ -47,8 +48,8 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
             input_ids[i, :lengths[r]] = tree.token_tensors[r]
             attention_mask[i, :lengths[r]] = 1
         columns = torch.unique(torch.cat([targets.columns for _, targets in rows]))
-        logits = forward_plain(model, info, input_ids.to(info.device), columns,
-                               attention_mask=attention_mask.to(info.device))
+        logits = forward_plain(model, info, to_device(input_ids, info.device), columns,
+                               attention_mask=to_device(attention_mask, info.device))
         loss = 0.0
         grids = [targets for _, targets in rows]
         for row, targets in zip(row_logits(logits, columns, [targets.columns for targets in grids]), grids):

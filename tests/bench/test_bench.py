@@ -14,6 +14,7 @@ def test_bench_small_run_writes_json_and_plots(tmp_path, capsys):
             "--agent-episodes", "1", "--agent-turns", "2", "--agent-system-len", "32", "--agent-thinking-len", "4,8",
             "--tree-prompt-len", "16", "--tree-branching", "2,2", "--memory-leaves", "2,4", "--long-len", "64",
             "--recompute-chunk", "16", "--no-progress", "--out", str(tmp_path),
+            "--results-jsonl", str(tmp_path / "parts.jsonl"),
             "--modes", "vanilla,vanilla-ckpt,vanilla-batched,mask,dfs,dfs-recompute,prefix-grouper"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -34,6 +35,12 @@ def test_bench_small_run_writes_json_and_plots(tmp_path, capsys):
     dfs = {m["leaves"]: m["peak_saved_mib"] for m in record["memory_scaling"] if m["mode"] == "dfs"}
     mask = {m["leaves"]: m["peak_saved_mib"] for m in record["memory_scaling"] if m["mode"] == "mask"}
     assert mask[4] > mask[2] and set(dfs) == {2, 4}
+    # each part was appended as it finished, with the same rows (a run stopped midway keeps what it measured)
+    parts = [json.loads(line) for line in (tmp_path / "parts.jsonl").read_text().splitlines()]
+    assert [p.get("workload", p["part"]) for p in parts] == ["grpo", "agent", "tree-search", "memory_scaling",
+                                                              "long_sequence"]
+    assert [r for p in parts[:3] for r in p["results"]] == rows
+    assert parts[3]["memory_scaling"] == record["memory_scaling"] and parts[0]["meta"]["device"] == "cpu"
     assert (tmp_path / "speedup_vs_compression.png").stat().st_size > 1000
     assert (tmp_path / "memory_vs_leaves.png").stat().st_size > 1000
 

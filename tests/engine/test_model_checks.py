@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 import lightning_dta as dta
+from lightning_dta.engine.model_info import DOGE_CAUSAL_SDPA
 from tests.helpers.models import make_model
 
 
@@ -121,12 +124,38 @@ def test_a_layer_that_hands_over_no_keys_values_is_refused():
         attention.forward = original
 
 
-@pytest.mark.parametrize("family,reason", [("doge", "own attention mask or bias"),
-                                           ("diffllama", "more than once per layer"),
+@pytest.mark.parametrize("family,reason", [("doge-eager", "own attention mask or bias"),
+                                           # (transformers 5.0-5.10: DiffLlama's own classes bypass the interface)
+                                           ("diffllama", "more than once per layer|0 of its 2 layers call"),
                                            ("mistral", "sliding attention window")])
 def test_prefix_attention_refuses_what_it_cannot_compute(family, reason):
-    with pytest.raises(dta.ModelNotSupportedError, match=f"prefix_attention=True, but .*{reason}"):
+    with pytest.raises(dta.ModelNotSupportedError, match=f"prefix_attention=True, but .*({reason})"):
         dta.tree_backward(make_model(family), tiny_tree(), dta.PolicyLoss(), prefix_attention=True)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "flex_attention"])
+def test_doge_without_a_causal_forward_is_refused(implementation):
+    """Doge's dynamic mask drops the causal mask under flex attention, and under sdpa before transformers 5.18:
+    its own forward attends to later tokens, which no shared prefix can reproduce."""
+    model = make_model("doge")
+    model.config._attn_implementation = implementation  # only the name is read before refusing
+    if implementation == "sdpa" and Version(transformers.__version__) >= DOGE_CAUSAL_SDPA:
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss())
+        return
+    for mode in ("dfs", "mask"):
+        with pytest.raises(dta.ModelNotSupportedError, match="dynamic mask.*attn_implementation='eager'"):
+            dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), mode=mode)
+    if implementation == "sdpa":  # (flex attention on the CPU takes no float64)
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), mode="vanilla")  # the model's own forward
+
+
+def test_doge_moe_is_refused():
+    """Doge's MoE router mixes the routing logits of different tokens (not causal in any version)."""
+    config = transformers.DogeConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, is_moe=True, num_experts=16,
+                                     num_experts_per_tok=2, attn_implementation="eager")
+    with pytest.raises(dta.ModelNotSupportedError, match="MoE router.*mode='vanilla'"):
+        dta.tree_backward(transformers.DogeForCausalLM(config), tiny_tree(), dta.PolicyLoss())
 
 
 def test_attention_dropout_falls_back_to_the_model_attention():

@@ -3,10 +3,13 @@
 The end-to-end exactness tests run it inside real models; these pin the kernel glue itself, for every
 backend: packed spans that must not see each other, grouped-query heads, spans of one token, no prefix, one
 span, and half precision. The CUDA backends run here with their flash functions replaced by stand-ins of the
-same signatures (tests/helpers/flash_fakes.py), so their argument plumbing is tested on the CPU in float64.
+same signatures (tests/helpers/flash_fakes.py), so their argument plumbing is tested on the CPU in float64; flash-attn
+also as the package defines it, torch custom ops (tests/helpers/flash_attn_custom_ops.py).
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -17,11 +20,13 @@ from lightning_dta.engine.attention_backends import (
     CudaFlashBackend,
     FlashAttnBackend,
     ReferenceBackend,
+    Varlen,
+    argument_names,
     choose_backend,
 )
 from lightning_dta.engine.options import choices
 from lightning_dta.engine.prefix_attention import PackedLayout, PrefixCausalAttention
-from tests.helpers import flash_fakes
+from tests.helpers import flash_attn_custom_ops, flash_fakes
 
 BACKEND_UNDER_TEST = {
     "reference": ReferenceBackend,
@@ -149,3 +154,105 @@ def test_flash_attn_missing_is_a_reason_not_an_error():
     backend = FlashAttnBackend()
     reason = backend.unsupported(torch.device("cpu"), torch.bfloat16)
     assert reason is not None  # not installed here, or (if it is) CUDA-only
+
+
+def test_argument_names_of_every_kind_of_op():
+    """Op overloads and packets carry a FunctionSchema; a torch.library.custom_op (flash-attn >= 2.7) a schema
+    string in ``_schema``; plain functions a signature."""
+    custom = flash_attn_custom_ops._flash_attn_varlen_forward
+    assert isinstance(custom._schema, str)
+    want = list(FlashAttnBackend.FORWARD_ARGS) + ["block_table", "leftpad_k", "seqused_k", "zero_tensors"]
+    packet = flash_attn_custom_ops._wrapped_flash_attn_varlen_forward
+    for fn in (custom, packet, packet.default, custom._init_fn):
+        assert argument_names(fn) == want
+    assert argument_names(flash_fakes.flash_attn_varlen_forward) == want[:-1]  # a plain function
+    assert argument_names(CudaFlashBackend().forward_op)[:3] == ["query", "key", "value"]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_flash_attn_custom_ops_match_masked_attention(case, heads):
+    """flash-attn 2.8's functions as the package defines them (custom ops, float32 log-sum-exp, in-place
+    gradients), run on the CPU: the ``max_seqlen_q == 1`` grouped-query cases take its reshaping path."""
+    backend = FlashAttnBackend(flash_attn_custom_ops._flash_attn_varlen_forward,
+                               flash_attn_custom_ops._flash_attn_varlen_backward)
+    assert backend.problem is None, backend.problem
+    lengths, prefix_len = CASES[case]
+    tensors = inputs(torch.float64, lengths, prefix_len, *HEADS[heads])
+    grad_out = torch.randn(1, sum(lengths), HEADS[heads][0], 8, dtype=torch.float64)
+    got, got_grads = grads(glue(backend, lengths, prefix_len, 0.3), tensors, grad_out)
+    want, want_grads = grads(lambda *t: reference(*t, spans_of(lengths), 0.3), tensors, grad_out)
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)  # the log-sum-exp is float32, as on the GPU
+
+
+def test_the_flash_attn_package_as_installed_is_found_and_refused_with_a_reason(monkeypatch):
+    """With the real package's custom ops importable, the backend is built, and on a CPU it is refused with
+    the reason: choosing it never raises."""
+    for name, module in flash_attn_custom_ops.modules().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    backend = FlashAttnBackend()
+    assert backend.forward_fn is flash_attn_custom_ops._flash_attn_varlen_forward
+    assert backend.problem is None
+    assert "runs on CUDA" in backend.unsupported(torch.device("cpu"), torch.bfloat16)
+    chosen, reason = choose_backend("flash-attn", torch.device("cpu"), torch.bfloat16)
+    assert chosen is None and "flash-attn runs on CUDA and the model is on cpu" in reason
+
+
+@pytest.mark.parametrize("backend_name", list(BACKEND_UNDER_TEST))
+def test_a_prefix_that_is_a_view_of_the_path_buffers(backend_name):
+    """The engine's prefix is ``buffer[:, :, :start]`` of the path's key/value buffers (strided over tokens), its
+    queries and own keys are the projections' ``[1, T, H, D]`` seen as ``[1, H, T, D]``."""
+    lengths, prefix_len, capacity = (3, 1, 4), 10, 24
+    gen = torch.Generator().manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    query, keys, values = (rand(1, sum(lengths), h, 8).transpose(1, 2).requires_grad_() for h in (4, 2, 2))
+    prefix = [rand(1, 2, capacity, 8)[:, :, :prefix_len].requires_grad_() for _ in range(2)]
+    tensors = (query, *prefix, keys, values)
+    assert not prefix[0].is_contiguous() and not query.is_contiguous()
+    grad_out = torch.randn(1, sum(lengths), 4, 8, dtype=torch.float64)
+    got, got_grads = grads(glue(BACKEND_UNDER_TEST[backend_name](), lengths, prefix_len, 0.3), tensors, grad_out)
+    want, want_grads = grads(lambda *t: reference(*t, spans_of(lengths), 0.3), tensors, grad_out)
+    for g, w in zip((got, *got_grads), (want, *want_grads)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_the_glue_makes_causal_calls_only_over_equal_lengths():
+    """Where causal alignment would matter (query and key sequences of different lengths) the glue never asks
+    for a causal mask, so a kernel's alignment (PyTorch's CPU flash kernel is top-left, flash-attention's CUDA
+    kernels bottom-right) never changes what it computes."""
+    calls = []
+
+    class Recording(ReferenceBackend):
+        def forward(self, q, k, v, q_lens, k_lens, causal, scale):
+            calls.append((causal, q_lens.offsets, k_lens.offsets))
+            return super().forward(q, k, v, q_lens, k_lens, causal, scale)
+
+        def backward(self, grad_out, q, k, v, out, lse, q_lens, k_lens, causal, scale):
+            calls.append((causal, q_lens.offsets, k_lens.offsets))
+            return super().backward(grad_out, q, k, v, out, lse, q_lens, k_lens, causal, scale)
+
+    for lengths, prefix_len in CASES.values():
+        tensors = inputs(torch.float64, lengths, prefix_len)
+        grads(glue(Recording(), lengths, prefix_len, 0.3), tensors, torch.randn(1, sum(lengths), 4, 8,
+                                                                               dtype=torch.float64))
+    assert any(not causal and q != k for causal, q, k in calls)  # the prefix calls: non-causal, q != k
+    assert all(q == k for causal, q, k in calls if causal)
+
+
+def test_cpu_flash_is_top_left_aligned_where_lengths_differ():
+    """Measured, so that docs/kernels.md says the truth: PyTorch's CPU flash kernel aligns a causal mask top-left
+    (query i sees keys 0..i), unlike the reference backend and flash-attention's CUDA kernels (bottom-right)."""
+    q, k, v = (torch.randn(n, 2, 8, dtype=torch.float64) for n in (3, 7, 7))
+    q_lens, k_lens = (Varlen.of((n,), torch.device("cpu")) for n in (3, 7))
+    cpu, _ = CPUFlashBackend().forward(q, k, v, q_lens, k_lens, True, 0.3)
+    bottom_right, _ = ReferenceBackend().forward(q, k, v, q_lens, k_lens, True, 0.3)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+    top_left = torch.einsum("hqk,khd->qhd", scores.masked_fill(~torch.ones(3, 7, dtype=torch.bool).tril(),
+                                                               float("-inf")).softmax(-1), v)
+    torch.testing.assert_close(cpu, top_left)
+    assert (cpu - bottom_right).abs().max() > 0.1

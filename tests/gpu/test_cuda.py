@@ -17,10 +17,13 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import lightning_dta as dta
+from lightning_dta.bench.runner import saved_peak_bytes
+from lightning_dta.engine import attention_check
 from lightning_dta.engine.attention_backends import BACKENDS, choose_backend
 from lightning_dta.engine.attention_check import KernelCheckWarning
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.prefix_attention import PackedLayout, PrefixCausalAttention
+from lightning_dta.shapes.modes import ModeSpec
 from tests.engine.test_prefix_attention import reference, spans_of
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
 
@@ -163,18 +166,24 @@ def test_dfs_peak_memory_is_flat_in_leaves():
     assert peaks[16] <= 1.1 * peaks[4], peaks
 
 
-def test_the_walk_never_waits_for_the_device():
-    """Every host-to-device copy is non-blocking from pinned memory and nothing reads the device inside the
-    walk; the step's result is its one deliberate read. (Prefix attention only: the fallback through the
-    model's own attention runs transformers' mask builder, which reads the mask.)"""
-    model = cuda_model(torch.bfloat16)
+def test_the_walk_never_waits_for_the_device(monkeypatch):
+    """Every host-to-device copy is non-blocking from pinned memory and nothing reads the device inside the walk,
+    from the first step of a fresh model on: its probe forward, the kernels' self-check (a deliberate read) and
+    ``activation="auto"``'s rate probe run under the mode too. The step's result is its one deliberate read, and
+    GSPO's sequence log-ratios (a forward-only walk before the step) a second. (Prefix attention only: the fallback
+    through the model's own attention runs transformers' mask builder, which reads the mask.)"""
     tree = dta.PrefixTree.from_rollouts(grpo_rollouts(6) + agent_rollouts(7))
-    dta.tree_backward(model, tree, dta.PolicyLoss())  # warm-up: probe and self-check read the device once, by design
-    dta.tree_logprobs(model, tree)
+    keep = saved_peak_bytes(cuda_model(torch.bfloat16), tree, ModeSpec(dta.EngineOptions()))
+    monkeypatch.setattr(attention_check, "_CHECKED", {})  # the self-check runs again, under the mode
+    model = cuda_model(torch.bfloat16)
+    options = [dict(), dict(activation="recompute", chunk_size=32), dict(sibling_batch_tokens=None),
+               dict(activation="auto", activation_memory_budget=int(0.6 * keep)),
+               dict(activation="auto", activation_memory_budget=int(0.6 * keep), chunk_size=48)]
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for options in (dict(), dict(activation="recompute", chunk_size=32), dict(sibling_batch_tokens=None)):
-            dta.tree_backward(model, tree, dta.PolicyLoss(), **options)
+        for engine in options:
+            dta.tree_backward(model, tree, dta.PolicyLoss(), **engine)
+        dta.tree_backward(model, tree, dta.PolicyLoss(loss_mode="gspo"))
         dta.tree_logprobs(model, tree)
     finally:
         torch.cuda.set_sync_debug_mode(0)
