@@ -15,6 +15,7 @@ parallelism without sequence parallelism (the residual stream and the gathered l
 the optimizer state on the GPU (no CPU offload).
 
     python benchmarks/tp_scale_plan.py            # prints the markdown table (tens of minutes on 2 cores)
+    python benchmarks/tp_scale_plan.py llama-70b  # one model's rows
 """
 
 from __future__ import annotations
@@ -57,12 +58,12 @@ def predict(model: str, workload: str, gpus: int, tensor_parallel: int, gradient
     return json.loads(out.getvalue())
 
 
-def main() -> None:
+def main(models: tuple[str, ...] = MODELS) -> None:
     cli.probe_rates = cached_probe
     print("| model | GPUs | step | design | state per rank at rest / in the walk | cheapest fit (80 GB) | peak | "
           "TFLOPs per rank | vs vanilla-ckpt |")
     print("|---|---:|---|---|---:|---|---:|---:|---:|")
-    for model in MODELS:
+    for model in models:
         for gpus in (8, 16):
             for workload in ("tau2-like", "tau2-long"):
                 for design, tp, gradient in DESIGNS:
@@ -81,4 +82,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    main(tuple(sys.argv[1:]) or MODELS)
