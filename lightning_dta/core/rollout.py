@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from lightning_dta.core.errors import UsageError
+
 PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "returns", "old_values")
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
 VALUE_FIELDS = ("returns", "old_values")  # per token, index 0 ignored, any finite number
@@ -21,7 +23,7 @@ VALUE_FIELDS = ("returns", "old_values")  # per token, index 0 ignored, any fini
 MAX_REPORTED = 20  # faults listed in one error; the rest are counted
 
 
-class RolloutError(ValueError):
+class RolloutError(UsageError, ValueError):
     """A rollout is malformed. The message names where it is (``PATH:LINE`` for a file), the rollout index, the
     field, the value and the fix."""
 

@@ -19,11 +19,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lightning_dta.core.errors import UsageError
+
 METADATA = "meta.pt"  # the non-tensor part of a sharded Lightning checkpoint (ModelParallelStrategy's name)
 PREFIX = "model."  # DTAModule keeps the causal LM in `self.model`
 
 
-class ExportError(ValueError):
+class ExportError(UsageError, ValueError):
     """The checkpoint cannot be exported; the message says why and what to do."""
 
 

@@ -18,7 +18,8 @@ and meta-device initialisation. What this strategy adds:
   and loaded into the shards (every rank reads only its slices): no rank ever holds the whole model;
 - the DFS step: one all-gather per unit before the walk, no collective during it (every rank walks its own tree),
   one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.distributed.step.tree_step_backward`);
-- the failure watchdog of ``DTAStrategy`` (:mod:`lightning_dta.distributed.faults`), and the same refusals (automatic
+- the watchdog of ``DTAStrategy`` (:mod:`lightning_dta.lightning.watchdog`: a failure stops every rank within
+  seconds, SIGTERM every rank at the end of the same step, with status 143), and the same refusals (automatic
   optimization, ``16-mixed``).
 
 Registered as ``"dta_fsdp"`` on ``import lightning_dta``. There are no ``_spawn``/``_fork`` variants: the parent
@@ -37,12 +38,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_dta.contracts import ParallelLayout, Sharding
-from lightning_dta.distributed.faults import FailureWatchdogMixin
+from lightning_dta.distributed.faults import DEFAULT_SIGNAL_GRACE_SEC
 from lightning_dta.distributed.sharding import ShardingError, is_sharded
 from lightning_dta.lightning.step import check_dfs_setup
+from lightning_dta.lightning.watchdog import RankWatchdogMixin, check_signal_grace
 
 
-class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
+class DTAFSDPStrategy(RankWatchdogMixin, ModelParallelStrategy):
     """DFS training on FSDP2-sharded weights (module docstring).
 
     Args:
@@ -53,26 +55,30 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
             ``CPUOffloadPolicy``; GPU only, not run here).
         save_distributed_checkpoint: checkpoints as a folder of per-rank shards (default) or one gathered file.
         process_group_backend, timeout: as for Lightning's strategies.
+        signal_grace_sec: as for ``DTAStrategy``: after SIGTERM, a rank that has not stopped within this many
+            seconds exits with status 143.
     """
 
     strategy_name = "dta_fsdp"
 
     def __init__(self, wrap_modules: list[str] | None = None, reshard_after_forward: bool = True,
                  cpu_offload: bool = False, save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 signal_grace_sec: float = DEFAULT_SIGNAL_GRACE_SEC) -> None:
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.wrap_modules = list(wrap_modules) if wrap_modules else None
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.signal_grace_sec = check_signal_grace(signal_grace_sec)
 
     @override
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_nodes * self.num_processes  # every rank shards: a 1-D mesh
         self._tensor_parallel_size = 1
         super().setup_environment()
-        self._start_failure_watchdog()
+        self._start_watchdog()
 
     @property
     def parallel_layout(self) -> ParallelLayout:

@@ -19,6 +19,7 @@ from jsonargparse import ArgumentParser, Namespace
 
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.balance import partition
+from lightning_dta.core.errors import UsageError
 from lightning_dta.core.rollout import RolloutError, read_rollouts
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.options import EngineOptions
@@ -33,7 +34,7 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "ki
          "gib": 2**30, "tib": 2**40}
 
 
-class PlanError(ValueError):
+class PlanError(UsageError, ValueError):
     """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dta.core.errors import UsageError
 from lightning_dta.distributed.collectives import rank
 from lightning_dta.distributed.sharding import export_hf_checkpoint
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
@@ -51,7 +52,7 @@ from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_
 WeightSync = Callable[[nn.Module, int], None]
 
 
-class ServerError(RuntimeError):
+class ServerError(UsageError, RuntimeError):
     """The inference server failed or answered in a form the client cannot use; the message says what to change."""
 
 

@@ -12,7 +12,6 @@ a per-rank normaliser or clipping before the sum each change gradients by 10% or
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 
 from lightning_dta.distributed.collectives import all_gather_floats, all_reduce_sum, broadcast_module, sum_gradients
 from tests import helpers
+from tests.helpers import free_port
 from tests.helpers.lightning import clean_env
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -75,12 +75,6 @@ def test_ppo_with_a_critic_on_two_ranks_matches_one(tmp_path: Path) -> None:
             torch.testing.assert_close(rank["weights"][name], weight, rtol=RTOL, atol=ATOL, msg=name)
         for name, weight in one["critic"].items():
             torch.testing.assert_close(rank["critic"][name], weight, rtol=RTOL, atol=ATOL, msg=name)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _collectives(rank: int, world: int, port: int, out: str) -> None:
