@@ -76,8 +76,7 @@ def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
         except (OSError, ValueError) as error:  # no such directory or hub model, or not a causal LM
             raise ConfigError(f"model {str(model)!r} cannot be loaded: {error}. Fix: a local Hugging Face model "
                               "directory, a hub name, or a config dict with a model_type") from error
-    raise ConfigError(f"model must be a path or hub name, a config dict or an nn.Module; got "
-                      f"{type(model).__name__}")
+    raise TypeError(f"model must be a path or hub name, a config dict or an nn.Module; got {type(model).__name__}")
 
 
 def local_checkpoint(model: str | PathLike) -> Path:

@@ -80,8 +80,12 @@ def _centered(rewards: Sequence[float], groups: dict[Hashable, list[int]], scale
         mean = math.fsum(units) / len(units)
         if scale_by_std:
             std = math.sqrt(math.fsum((u - mean) ** 2 for u in units) / len(units))  # unbiased=False
+            try:
+                scaled_eps = math.ldexp(eps, -exponent)
+            except OverflowError:  # rewards near the smallest floats: eps outweighs their spread by far
+                scaled_eps = math.inf
             for i, u in zip(members, units):
-                advantages[i] = (u - mean) / (std + math.ldexp(eps, -exponent))
+                advantages[i] = (u - mean) / (std + scaled_eps)
             continue
         for i, u in zip(members, units):
             try:

@@ -109,10 +109,10 @@ def check_step_fields(loss_fn: Objective, carried: list[float]) -> None:
     """Refuse a step in which no rollout carries a field a term of the loss needs (the same on every rank)."""
     for name, count in zip(loss_fn.step_fields, carried):
         if count == 0:
-            raise ConfigError(f"{type(loss_fn).__name__} has a term that needs the rollouts' {name} (PolicyLoss: "
-                              f"kl_coef > 0 needs ref_logprobs), but no rollout of this step carries {name}, so the "
-                              f"term would be 0 without a word. Fix: give the rollouts {name} (online: "
-                              "OnlineRolloutSource(ref_logprobs=True)), or set the term's weight to 0")
+            raise ConfigError(f"no rollout of this step carries {name}, which a term of {type(loss_fn).__name__} "
+                              f"needs (PolicyLoss: kl_coef > 0 needs ref_logprobs): the term would be 0 without a "
+                              f"word. Fix: give the rollouts {name} (online: OnlineRolloutSource(ref_logprobs=True)), "
+                              "or set the term's weight to 0 (kl_coef=0)")
 
 
 def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objective | None = None, *,

@@ -103,19 +103,19 @@ def check_dfs_setup(strategy: Strategy) -> None:
     DFS strategy (at ``setup``) and :func:`dfs_training_step` (for any other strategy) check them."""
     module = strategy.lightning_module
     if module is not None and module.automatic_optimization:
-        raise RuntimeError(
+        raise ConfigError(
             f"{type(strategy).__name__} trains manual-optimization modules that run one DFS step per batch (DTAModule, "
             "or a module calling lightning_dta.dfs_training_step): it does not synchronise gradients in backward, "
             "and a DFS runs one backward per tree node. Fix: set `self.automatic_optimization = False`.")
     if strategy.model is not None and strategy.model is not strategy.lightning_module:  # a DDP/FSDP1 wrapper
-        raise RuntimeError(
+        raise ConfigError(
             f"{type(strategy).__name__} wrapped the module in {type(strategy.model).__name__}; its gradient hooks "
             "fire on every backward of a DFS step (or, under no_sync, leave some parameters unsynced). Fix: "
             "Trainer(strategy='dta'), which keeps the module unwrapped and sums the gradients once per step.")
     plugin = strategy.precision_plugin
     # Only mixed-precision plugins have a grad scaler; on a CPU Lightning turns 16-mixed into bf16-mixed.
     if plugin.precision == "16-mixed" or getattr(plugin, "scaler", None) is not None:
-        raise RuntimeError(
+        raise ConfigError(
             "precision='16-mixed' scales the loss in manual_backward, which a DFS step does not call, and would "
             "then unscale unscaled gradients. Fix: precision='bf16-mixed' or 'bf16-true' (or '32-true').")
 
