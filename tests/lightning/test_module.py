@@ -240,3 +240,19 @@ def test_64_true_trains_in_float64_with_the_hand_written_step(tmp_path: Path) ->
     for name, weight in module.model.named_parameters():
         assert weight.dtype == torch.float64, name
         torch.testing.assert_close(weight.detach(), want["weights"][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_16_mixed_on_the_cpu_trains_with_prefix_attention(tmp_path: Path) -> None:
+    """Lightning turns 16-mixed into bf16-mixed on a CPU; the kernels' self-check used to fail on the mixed dtypes
+    of autocast and fall back to the model's attention (a KernelCheckWarning)."""
+    import warnings
+
+    from lightning_dta.engine.attention_check import KernelCheckWarning
+
+    module = dta.DTAModule(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelCheckWarning)
+        fit = trainer(tmp_path, 1, precision="16-mixed")
+        assert fit.precision == "bf16-mixed"
+        fit.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
+    assert fit.global_step == 1
