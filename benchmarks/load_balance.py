@@ -64,7 +64,7 @@ class Recorder(L.Callback):
 def measure(steps: int) -> list[dict]:
     torch.manual_seed(0)
     step = skewed_step()
-    data = RolloutDataModule(source=[step] * steps)
+    data = RolloutDataModule(source=[step] * steps, calibrate_cost_model=True)
     recorder = Recorder()
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=2, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,

@@ -6,25 +6,36 @@ everywhere, read from :class:`~lightning_dta.EngineOptions` (its field docstring
 in ``fit`` (the engine belongs to the module), ``--engine.*`` in ``plan`` and ``bench``
 (:func:`add_engine_options`). The command installs the filters for warnings Lightning prints although nothing is
 wrong (:func:`lightning_dta.quiet_known_warnings`); importing the package does not.
+
+Exit status: 0 when the verb did its job; 2 for bad input of any kind, a setting, a file, a model, a server's answer
+(:class:`~lightning_dta.core.errors.UsageError`), printed as one message (what, where, the fix) without a
+traceback; ``128 + signal`` (143) when a signal stopped a training run; a bug keeps its traceback (status 1).
+``--traceback`` (anywhere on the command line) or ``LIGHTNING_DTA_TRACEBACK=1`` prints the traceback of bad input
+too, for debugging.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from jsonargparse import ArgumentParser
 
-from lightning_dta.core.rollout import RolloutError
+from lightning_dta.core.errors import UsageError
+from lightning_dta.distributed.faults import stopping
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.lightning.cli import cli_main
 
 COMMANDS = {"plan": "lightning_dta.plan.cli", "bench": "lightning_dta.bench.cli",
             "export": "lightning_dta.distributed.export"}
 """the verbs besides ``fit``, each a module with ``main(argv) -> int``."""
+TRACEBACK = "LIGHTNING_DTA_TRACEBACK"
+"""set to 1 (or pass ``--traceback``): print the traceback of bad input too."""
 
-USAGE = """usage: lightning-dta {fit,plan,bench,export} ...
+USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export} ...
 
   fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
            --trainer.*; the engine: --model.engine.*); lightning-dta fit --help
@@ -61,22 +72,59 @@ def add_engine_options(parser: ArgumentParser) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point (``[project.scripts] lightning-dta``): the verb's exit status."""
+    """Console entry point (``[project.scripts] lightning-dta``): the verb's exit status (module docstring)."""
     from lightning_dta.lightning.quiet import install
 
     install()
     args = list(sys.argv[1:] if argv is None else argv)
+    if "--traceback" in args:
+        args = [arg for arg in args if arg != "--traceback"]
+        os.environ[TRACEBACK] = "1"  # the ranks a launcher starts inherit it
+        if argv is None:
+            sys.argv[1:] = args  # LightningCLI, and the launcher that re-runs this command per rank, read sys.argv
     if not args or args[0] in ("-h", "--help"):
         print(usage(), end="")
         return 0 if args else 2
-    if args[0] in COMMANDS:
-        return importlib.import_module(COMMANDS[args[0]]).main(args[1:]) or 0
+    verb = args[0] if args[0] in COMMANDS else "fit"
     try:
-        cli_main(argv)  # None: LightningCLI reads sys.argv itself (it warns when given both)
-    except RolloutError as error:  # bad input, not a bug: the message says where and how to fix it
-        print(f"lightning-dta: error: {error}", file=sys.stderr)
+        if verb in COMMANDS:
+            return importlib.import_module(COMMANDS[verb]).main(args[1:]) or 0
+        cli = cli_main(None if argv is None else args)  # None: LightningCLI reads sys.argv (it warns given both)
+        stop = stopping()  # a signal that came after the last step: the run is complete, the status still says so
+        if stop is not None:
+            return stop.exit_status
+        return 143 if cli.trainer.received_sigterm else 0
+    except BaseException as error:
+        status = exit_status(error)
+        if status is None:
+            raise
+        if os.environ.get(TRACEBACK) == "1":
+            traceback.print_exc()
+        print(f"lightning-dta {verb}: {describe(error, status)}", file=sys.stderr, flush=True)
+        return status
+
+
+def describe(error: BaseException, status: int) -> str:
+    """The one line printed for an error that ends the command with ``status``."""
+    if status == 2:
+        return f"error: {error}"
+    stop = stopping()
+    return f"stopped by {stop.describe() if stop is not None else 'SIGTERM'}; exit status {status}"
+
+
+def exit_status(error: BaseException) -> int | None:
+    """The status for ``error``: ``128 + signal`` when a signal stopped the run (whatever the error it left), 2 for
+    bad input, ``None`` for anything else (a bug: its traceback is printed)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    stop = stopping()
+    if stop is not None:
+        return stop.exit_status
+    if isinstance(error, SIGTERMException):
+        return 143
+    if isinstance(error, UsageError):
         return 2
-    return 0
+    return None
 
 
 if __name__ == "__main__":

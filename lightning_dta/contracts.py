@@ -89,6 +89,11 @@ class Objective(Protocol):
     required_fields: tuple[str, ...]
     """those of ``token_fields`` that every rollout with a trained token must carry."""
 
+    step_fields: tuple[str, ...]
+    """rollout fields a term of the loss needs that a whole step must carry somewhere (``PolicyLoss`` with
+    ``kl_coef > 0``: ``ref_logprobs``): a step where no rollout carries one would train without that term, in silence,
+    so the step refuses it."""
+
     advantage_only: bool
     """whether the loss is 0 when every advantage is 0 (then a step of zero advantages trains nothing: warned)."""
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_dta.core.errors import ConfigError
+
 ModelSpec = str | dict[str, Any] | nn.Module
 
 
@@ -25,28 +27,55 @@ def _dtype_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     for key in ("dtype", "torch_dtype"):
         if isinstance(out.get(key), str) and out[key] != "auto":
-            out[key] = getattr(torch, out[key])
+            dtype = getattr(torch, out[key], None)  # a name from a config: torch's dtypes are module attributes
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"model_kwargs.{key}={out[key]!r} is not a torch dtype. Fix: bfloat16, float16, "
+                                  "float32 or auto")
+            out[key] = dtype
     return out
+
+
+def config_from_dict(spec: Mapping[str, Any], where: str = "model") -> Any:
+    """The transformers config of a config dict (``{"model_type": "llama", ...}``), checked as transformers checks
+    it (an unknown type, a hidden size that the heads do not divide, ...): a :class:`ConfigError` naming ``where``
+    (the setting, e.g. ``model.model``) otherwise. Cheap: no weights."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    spec = dict(spec)
+    model_type = spec.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(f"{where}: a model config dict needs a 'model_type'; got the keys {sorted(spec)}. Fix: add "
+                          "model_type, e.g. llama, qwen3, mistral, gemma, gpt2")
+    if model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"{where}.model_type={model_type!r} is not a transformers model type. Fix: a type such as "
+                          "llama, qwen2, qwen3, mistral, gemma or gpt2 (transformers' CONFIG_MAPPING lists them all)")
+    try:
+        return AutoConfig.for_model(model_type, **spec)
+    except Exception as error:  # transformers validates configs with several error classes of its own
+        cause = error.__cause__ or error
+        raise ConfigError(f"{where}: transformers refuses this {model_type} config: {str(cause).rstrip('.')}. Fix: a "
+                          "consistent shape (e.g. hidden_size a multiple of num_attention_heads)") from error
 
 
 def build_causal_lm(model: str | PathLike | Mapping[str, Any] | nn.Module,
                     model_kwargs: Mapping[str, Any] | None = None) -> nn.Module:
     """A causal LM from a local path or hub name (``from_pretrained``), a config dict with a ``model_type``
-    (``AutoConfig.for_model`` + ``from_config``: random weights, for tests and tiny runs), or a module as is."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    (``AutoConfig.for_model`` + ``from_config``: random weights, for tests and tiny runs), or a module as is. A
+    spec that cannot be built is a :class:`ConfigError`."""
+    from transformers import AutoModelForCausalLM
 
     kwargs = _dtype_kwargs(model_kwargs or {})
     if isinstance(model, nn.Module):
         return model
     if isinstance(model, Mapping):
-        spec = dict(model)
-        if "model_type" not in spec:
-            raise ValueError("a model config dict needs a 'model_type' (e.g. 'llama', 'qwen3'); got keys "
-                             f"{sorted(spec)}")
-        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return AutoModelForCausalLM.from_config(config_from_dict(model), **kwargs)
     if isinstance(model, (str, PathLike)):
-        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        try:
+            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        except (OSError, ValueError) as error:  # no such directory or hub model, or not a causal LM
+            raise ConfigError(f"model {str(model)!r} cannot be loaded: {error}. Fix: a local Hugging Face model "
+                              "directory, a hub name, or a config dict with a model_type") from error
     raise TypeError(f"model must be a path or hub name, a config dict or an nn.Module; got {type(model).__name__}")
 
 

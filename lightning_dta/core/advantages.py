@@ -27,6 +27,7 @@ import math
 from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout, RolloutError
 
 AdvantageEstimator = Callable[[Sequence[Rollout]], list[Rollout]]
@@ -61,19 +62,38 @@ def _with_advantages(rollouts: Sequence[Rollout], advantages: Sequence[float]) -
 
 def _centered(rewards: Sequence[float], groups: dict[Hashable, list[int]], scale_by_std: bool,
               eps: float) -> list[float]:
-    """``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g``) for every rollout, by group ``g``."""
+    """``(r - mean_g) / (std_g + eps)`` (or ``r - mean_g``) for every rollout, by group ``g``.
+
+    Computed on the rewards divided by ``s``, the power of two just above the group's largest magnitude, so that
+    no square, sum or difference overflows for any finite reward (``r ** 2`` does from about 1e154):
+    ``(u - mean_u) / (std_u + eps / s)`` with ``u = r / s`` is the same quotient, and dividing by a power of two is
+    exact, so ordinary rewards give bitwise the unscaled result. Without the std the centred reward keeps the
+    reward's units, ``s * (u - mean_u)``, which overflows only when a group's rewards span more than the largest
+    float: refused."""
     advantages = [0.0] * len(rewards)
     for members in groups.values():
         values = [rewards[i] for i in members]
         if min(values) == max(values):  # no signal (singletons included): exactly 0, whatever eps and rounding
             continue
-        mean = math.fsum(values) / len(values)
-        scale = 1.0
+        exponent = math.frexp(max(abs(v) for v in values))[1]  # s = 2 ** exponent, which may itself overflow
+        units = [math.ldexp(v, -exponent) for v in values]
+        mean = math.fsum(units) / len(units)
         if scale_by_std:
-            std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / len(values))  # unbiased=False
-            scale = std + eps
-        for i, v in zip(members, values):
-            advantages[i] = (v - mean) / scale
+            std = math.sqrt(math.fsum((u - mean) ** 2 for u in units) / len(units))  # unbiased=False
+            try:
+                scaled_eps = math.ldexp(eps, -exponent)
+            except OverflowError:  # rewards near the smallest floats: eps outweighs their spread by far
+                scaled_eps = math.inf
+            for i, u in zip(members, units):
+                advantages[i] = (u - mean) / (std + scaled_eps)
+            continue
+        for i, u in zip(members, units):
+            try:
+                advantages[i] = math.ldexp(u - mean, exponent)
+            except OverflowError:
+                raise RolloutError(i, "reward", f"is {rewards[i]}, and minus its group's mean reward it overflows a "
+                                   "float (the group's rewards span more than the largest float)",
+                                   "rescale the rewards") from None
     return advantages
 
 
@@ -85,7 +105,7 @@ def grpo_advantages(rollouts: Sequence[Rollout], scale_by_std: bool = True, eps:
     module docstring for the std convention and for singleton groups (advantage 0).
     """
     if eps < 0:
-        raise ValueError(f"eps={eps} must be >= 0")
+        raise ConfigError(f"eps={eps} must be >= 0")
     rewards = _rewards(rollouts)
     for index, rollout in enumerate(rollouts):
         if rollout.group_id is None:
@@ -158,8 +178,8 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
 def check_advantage_estimator(method: str | None) -> None:
     """Refuse an estimator name that is not registered (``None``: keep the rollouts' own advantages)."""
     if method is not None and method not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage_estimator={method!r} is unknown; choose one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)} or None (keep the rollouts' own advantages)")
+        raise ConfigError(f"advantage_estimator={method!r} is unknown. Fix: one of {sorted(ADVANTAGE_ESTIMATORS)} or "
+                          "null (keep the rollouts' own advantages)")
 
 
 def estimate_advantages(rollouts: Sequence[Rollout], method: str | None) -> list[Rollout]:

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree, attention_pairs, causal_pairs, common_prefix_length
 
@@ -72,7 +73,7 @@ class CostModel:
 
     def __post_init__(self) -> None:
         if min(self.token, self.attention, self.branch) < 0 or self.token + self.attention + self.branch <= 0:
-            raise ValueError(f"{self} must have non-negative coefficients, not all zero")
+            raise ConfigError(f"{self} must have non-negative coefficients, not all zero")
 
     @classmethod
     def coerce(cls, value: CostModel | float) -> CostModel:
@@ -332,7 +333,7 @@ PARTITIONERS: dict[str, Callable[..., list[list[int]]]] = {
 
 def check_partition_method(method: str) -> None:
     if method not in PARTITIONERS:
-        raise ValueError(f"partition_method={method!r} is unknown; choose one of {sorted(PARTITIONERS)}")
+        raise ConfigError(f"partition_method={method!r} is unknown. Fix: one of {sorted(PARTITIONERS)}")
 
 
 def partition(rollouts: Sequence[Rollout] | PrefixTree, world_size: int, method: str = "contiguous",

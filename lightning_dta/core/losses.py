@@ -19,6 +19,7 @@ from typing import ClassVar, Literal, get_args
 import torch
 
 from lightning_dta.contracts import TokenData
+from lightning_dta.core.errors import ConfigError
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "sum"]
 AGGREGATIONS = get_args(Aggregation)
@@ -53,12 +54,12 @@ class StepAggregation:
 
     def __post_init__(self) -> None:
         if self.agg not in AGGREGATIONS:
-            raise ValueError(f"{type(self).__name__}.agg is {self.agg!r}; choose one of {AGGREGATIONS}")
+            raise ConfigError(f"{type(self).__name__}.agg={self.agg!r} is unknown. Fix: one of {AGGREGATIONS}")
         if (self.agg == "seq-mean-token-sum-norm") != (self.agg_norm_length is not None):
-            raise ValueError(f"{type(self).__name__}.agg_norm_length is required by agg='seq-mean-token-sum-norm' "
+            raise ConfigError(f"{type(self).__name__}.agg_norm_length is required by agg='seq-mean-token-sum-norm' "
                              f"and used by nothing else (agg={self.agg!r}, agg_norm_length={self.agg_norm_length!r})")
         if self.agg_norm_length is not None and self.agg_norm_length < 1:
-            raise ValueError(f"{type(self).__name__}.agg_norm_length={self.agg_norm_length} must be >= 1")
+            raise ConfigError(f"{type(self).__name__}.agg_norm_length={self.agg_norm_length}. Fix: a length >= 1")
 
     def normalizer(self, masks: Sequence[torch.Tensor]) -> float:
         """The step's loss normaliser from per-rollout loss masks: trained tokens for ``token-mean``,
@@ -130,13 +131,15 @@ class PolicyLoss(StepAggregation):
                                      ("importance_weight_mode", self.importance_weight_mode, WEIGHT_MODES),
                                      ("importance_level", self.importance_level, LEVELS)):
             if value not in choices:
-                raise ValueError(f"PolicyLoss.{name} is {value!r}; choose one of {choices}")
+                raise ConfigError(f"PolicyLoss.{name}={value!r} is unknown. Fix: one of {choices}")
         if self.clip_eps < 0 or (self.clip_eps_high is not None and self.clip_eps_high < 0):
-            raise ValueError("PolicyLoss.clip_eps and clip_eps_high must be >= 0")
+            raise ConfigError(f"PolicyLoss.clip_eps={self.clip_eps!r}, clip_eps_high={self.clip_eps_high!r}: the clip "
+                              "range below and above a ratio of 1. Fix: numbers >= 0 (e.g. 0.2 and 0.28)")
         if self.dual_clip is not None and (self.dual_clip <= 1 or self.loss_mode != "ppo"):
-            raise ValueError(f"PolicyLoss.dual_clip={self.dual_clip} must be > 1 and needs loss_mode='ppo'")
+            raise ConfigError(f"PolicyLoss.dual_clip={self.dual_clip}. Fix: a bound > 1 (e.g. 3) with loss_mode='ppo', "
+                              "or null")
         if self.importance_weight_cap is not None and not self.importance_weight_cap >= 1:
-            raise ValueError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
+            raise ConfigError(f"PolicyLoss.importance_weight_cap={self.importance_weight_cap} must be >= 1 (or null); "
                              "below 1 it would shrink weights that are already on-policy")
 
     head: ClassVar[str] = "logprobs"
@@ -148,6 +151,11 @@ class PolicyLoss(StepAggregation):
     @property
     def needs_sequence_weights(self) -> bool:
         return self.importance_level == "sequence"
+
+    @property
+    def step_fields(self) -> tuple[str, ...]:
+        """The KL term needs the reference log-probs: a step without any is refused (kl_coef > 0)."""
+        return ("ref_logprobs",) if self.kl_coef != 0.0 else ()
 
     @property
     def advantage_only(self) -> bool:
@@ -244,6 +252,7 @@ class ValueLoss(StepAggregation):
     head: ClassVar[str] = "values"
     token_fields: ClassVar[tuple[str, ...]] = ("returns", "old_values")
     required_fields: ClassVar[tuple[str, ...]] = ("returns",)
+    step_fields: ClassVar[tuple[str, ...]] = ()
     needs_entropy_grad: ClassVar[bool] = False
     needs_sequence_ratio: ClassVar[bool] = False
     needs_sequence_weights: ClassVar[bool] = False
@@ -252,7 +261,7 @@ class ValueLoss(StepAggregation):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.clip_eps is not None and self.clip_eps < 0:
-            raise ValueError(f"ValueLoss.clip_eps={self.clip_eps} must be >= 0 (or null)")
+            raise ConfigError(f"ValueLoss.clip_eps={self.clip_eps}. Fix: a clip range >= 0, or null")
 
     def __call__(self, values: torch.Tensor, entropy: torch.Tensor | None, data: TokenData,
                  sums: dict) -> torch.Tensor:

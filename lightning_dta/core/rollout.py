@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from lightning_dta.core.errors import UsageError
+
 PER_TOKEN_FIELDS = ("loss_mask", "old_logprobs", "prox_logprobs", "ref_logprobs", "returns", "old_values")
 LOGPROB_FIELDS = ("old_logprobs", "prox_logprobs", "ref_logprobs")
 VALUE_FIELDS = ("returns", "old_values")  # per token, index 0 ignored, any finite number
@@ -21,7 +23,7 @@ VALUE_FIELDS = ("returns", "old_values")  # per token, index 0 ignored, any fini
 MAX_REPORTED = 20  # faults listed in one error; the rest are counted
 
 
-class RolloutError(ValueError):
+class RolloutError(UsageError, ValueError):
     """A rollout is malformed. The message names where it is (``PATH:LINE`` for a file), the rollout index, the
     field, the value and the fix."""
 
@@ -42,17 +44,18 @@ class RolloutError(ValueError):
 class RolloutFaults(RolloutError):
     """Several malformed rollouts, reported together (the first :data:`MAX_REPORTED`, then a count)."""
 
-    def __init__(self, faults: Sequence[RolloutError], source: str) -> None:
+    def __init__(self, faults: Sequence[RolloutError], source: str | None = None) -> None:
         first = faults[0]
         self.faults = list(faults)
         self.index, self.field, self.problem, self.fix, self.location = (first.index, first.field, first.problem,
                                                                          first.fix, first.location)
         shown = "\n".join(f"  {fault.describe()}" for fault in faults[:MAX_REPORTED])
         rest = f"\n  ... and {len(faults) - MAX_REPORTED} more" if len(faults) > MAX_REPORTED else ""
-        ValueError.__init__(self, f"{len(faults)} faulty rollouts in {source}:\n{shown}{rest}")
+        where = f" in {source}" if source else ""
+        ValueError.__init__(self, f"{len(faults)} faulty rollouts{where}:\n{shown}{rest}")
 
 
-def raise_faults(faults: Sequence[RolloutError], source: str) -> None:
+def raise_faults(faults: Sequence[RolloutError], source: str | None = None) -> None:
     """Raise the one fault as it is, several as one :class:`RolloutFaults`; nothing if there are none."""
     if len(faults) == 1:
         raise faults[0]
@@ -191,14 +194,19 @@ def validate_rollout(rollout: Rollout, index: int, vocab_size: int | None = None
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise RolloutError(index, name, f"entry {pos} is {value!r}, not a finite number",
                                    "entry 0 may be anything, the rest must be finite")
-    if rollout.reward is not None and (not isinstance(rollout.reward, (int, float))
-                                       or not math.isfinite(rollout.reward)):
-        raise RolloutError(index, "reward", f"is {rollout.reward!r}, not a finite number", "check the reward function")
+    reward = rollout.reward
+    if reward is not None and (isinstance(reward, bool) or not isinstance(reward, (int, float))
+                               or not math.isfinite(reward)):
+        raise RolloutError(index, "reward", f"is {reward!r}, not a finite number", "check the reward function")
+    group = rollout.group_id
+    if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int))):
+        raise RolloutError(index, "group_id", f"is {group!r}, not a string or an int",
+                           "use the prompt's id (a string or an integer) as group_id")
 
 
 def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None,
                       max_positions: int | None = None, locations: Sequence[str] | None = None,
-                      source: str = "the rollouts") -> None:
+                      source: str | None = None) -> None:
     """Validate every rollout and raise one :class:`RolloutError` naming every faulty one (its first fault each).
 
     ``locations`` (one per rollout, e.g. ``PATH:LINE``) prefix the faults; ``source`` names the whole.
@@ -218,25 +226,44 @@ def validate_rollouts(rollouts: Sequence[Rollout], vocab_size: int | None = None
     raise_faults(faults, source)
 
 
+class _RepeatedKey(Exception):
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's dict, refusing a key given twice (``json`` would silently keep the last value)."""
+    record: dict = {}
+    for key, value in pairs:
+        if key in record:
+            raise _RepeatedKey(key)
+        record[key] = value
+    return record
+
+
 def read_rollout_lines(path: str | Path, vocab_size: int | None = None,
                        max_positions: int | None = None) -> tuple[list[Rollout], list[int]]:
     """Read a JSONL file (one rollout object per line) and validate it; returns the rollouts and their line numbers.
 
     Blank lines hold no rollout and are skipped, but counted: line numbers are the file's (1-based), and the
-    rollout index counts rollouts. Every faulty line is reported in one :class:`RolloutError` as ``PATH:LINE``.
+    rollout index counts rollouts. Every faulty line is reported in one :class:`RolloutError` as ``PATH:LINE``. A
+    UTF-8 byte-order mark at the start of the file is skipped; a key given twice in one object is refused.
     """
     rollouts, lines, faults = [], [], []
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         for line_number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             index, location = len(rollouts) + len(faults), f"{path}:{line_number}"
             try:
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as error:
                     raise RolloutError(index, "<json>", f"not valid JSON ({error.msg}, column {error.colno})",
                                        "write one JSON object per line") from error
+                except _RepeatedKey as repeated:
+                    raise RolloutError(index, repeated.key, "is given twice in the line's object (JSON keeps only the "
+                                       "last value)", "write each field once") from None
                 rollout = Rollout.from_dict(record, index)
                 validate_rollout(rollout, index, vocab_size, max_positions)
             except RolloutError as fault:

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_dta.core.errors import UsageError
+
 try:  # FSDP2 (torch >= 2.4); the package works without it (``dta`` replicates)
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -44,7 +46,7 @@ except ImportError:  # pragma: no cover - torch without distributed
     FSDPModule = MixedPrecisionPolicy = fully_shard = DTensor = None
 
 
-class ShardingError(TypeError):
+class ShardingError(UsageError, TypeError):
     """A model or set-up that sharded training cannot run exactly; the message says what to change."""
 
 

@@ -3,7 +3,9 @@
 The order is fixed by exactness, not taste:
 
 1. all-reduce (SUM) every rank's loss normaliser, so each rank divides by the normaliser of the WHOLE step
-   and 1 rank and N ranks compute the same gradient;
+   and 1 rank and N ranks compute the same gradient (in the same collective: how many rollouts of the step carry
+   each field the objective's terms need, ``Objective.step_fields``; a step where none does is refused on every
+   rank, rather than trained without that term);
 2. one DFS over this rank's trees (``tree_backward``), adding to ``.grad``;
 3. sum the gradients over ranks once (flattened buckets; FSDP2: one reduce-scatter per unit), plus the metric sums
    in one small collective.
@@ -26,6 +28,7 @@ from torch import nn
 
 from lightning_dta.contracts import TENSOR_PARALLEL, Objective, ParallelLayout
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import (
@@ -81,14 +84,36 @@ def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
 
 def step_normalizer(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
                     layout: ParallelLayout | None = None) -> float:
-    """The loss normaliser of the whole step: this rank's share summed over the data-parallel ranks (one collective).
+    """The loss normaliser of the whole step: this rank's share summed over the data-parallel ranks (one collective;
+    see :func:`step_totals`)."""
+    return step_totals(tree, loss_fn, device, layout)[0]
 
-    ``agg="sum"`` has no normaliser (1 on every rank, and not a count), so there is nothing to sum.
-    """
+
+def step_totals(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
+                layout: ParallelLayout | None = None) -> tuple[float, list[float]]:
+    """The step's loss normaliser and, for each of ``loss_fn.step_fields``, the rollouts of the whole step that
+    carry it: this rank's shares summed over the data-parallel ranks, in one collective (none when there is nothing
+    to sum). ``agg="sum"`` has no normaliser (1 on every rank, and not a count)."""
+    rollouts = tree.rollouts if tree is not None else []
+    carried = [float(sum(1 for rollout in rollouts if getattr(rollout, name) is not None))
+               for name in loss_fn.step_fields]
     if loss_fn.agg == "sum":
-        return 1.0
+        if not carried:
+            return 1.0, []
+        return 1.0, all_reduce_sum(carried, device, group=(layout or ParallelLayout()).data_parallel_group)
     local = 0.0 if tree is None else tree_loss_normalizer(tree, loss_fn)
-    return all_reduce_sum([local], device, group=(layout or ParallelLayout()).data_parallel_group)[0]
+    totals = all_reduce_sum([local, *carried], device, group=(layout or ParallelLayout()).data_parallel_group)
+    return totals[0], totals[1:]
+
+
+def check_step_fields(loss_fn: Objective, carried: list[float]) -> None:
+    """Refuse a step in which no rollout carries a field a term of the loss needs (the same on every rank)."""
+    for name, count in zip(loss_fn.step_fields, carried):
+        if count == 0:
+            raise ConfigError(f"no rollout of this step carries {name}, which a term of {type(loss_fn).__name__} "
+                              f"needs (PolicyLoss: kl_coef > 0 needs ref_logprobs): the term would be 0 without a "
+                              f"word. Fix: give the rollouts {name} (online: OnlineRolloutSource(ref_logprobs=True)), "
+                              "or set the term's weight to 0 (kl_coef=0)")
 
 
 def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objective | None = None, *,
@@ -110,7 +135,8 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
             "tree_step_backward(..., layout=ParallelLayout(data_parallel_group=mesh['data_parallel'].get_group(), "
             "device_mesh=mesh)), as DTAFSDPStrategy(tensor_parallel_size=...) does")
     device = collective_device(model)
-    normalizer = step_normalizer(tree, loss_fn, device, layout)
+    normalizer, carried = step_totals(tree, loss_fn, device, layout)
+    check_step_fields(loss_fn, carried)
     local = None
     seconds = 0.0
     with unsharded(model):  # sharded: one all-gather per unit now, no collective during this rank's own walk
@@ -179,12 +205,17 @@ def gradient_norm(parameters: Iterable[nn.Parameter], layout: ParallelLayout | N
 
 
 def clip_by_norm(parameters: Iterable[nn.Parameter], max_norm: float, norm: float) -> None:
-    """Scale the gradients so that their total norm ``norm`` (:func:`gradient_norm`) is at most ``max_norm``, by
-    torch's factor (``clip_grad_norm_`` / ``clip_grads_with_norm_``: ``min(max_norm / (norm + 1e-6), 1)``) as a
-    Python number, so that it multiplies DTensors of any mesh alike (a tensor factor would be a plain tensor beside
-    DTensors)."""
+    """Scale the gradients so that their total norm ``norm`` (:func:`gradient_norm`) is at most ``max_norm``.
+
+    Plain gradients (one process, or ``dta``'s replicas): torch's own ``clip_grad_norm_``, so that a step equals a
+    hand-written loop's bitwise. Sharded gradients (DTensors, possibly on several meshes, which torch's function cannot
+    stack): torch's factor ``min(max_norm / (norm + 1e-6), 1)`` from ``norm`` as a Python number, which multiplies
+    DTensors of any mesh alike (a tensor factor would be a plain tensor beside DTensors)."""
+    parameters = [p for p in parameters if p.grad is not None]
+    if all(local_tensor(p.grad) is p.grad for p in parameters):
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        return
     factor = min(max_norm / (norm + 1e-6), 1.0)
     with torch.no_grad():
         for p in parameters:
-            if p.grad is not None:
-                p.grad.mul_(factor)
+            p.grad.mul_(factor)

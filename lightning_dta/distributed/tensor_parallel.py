@@ -49,11 +49,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from lightning_dta.contracts import TENSOR_PARALLEL
+from lightning_dta.core.errors import UsageError
 
 TP_DIM = TENSOR_PARALLEL  # the mesh dimension's name (Lightning's ModelParallelStrategy and torchtitan use it too)
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(UsageError, ValueError):
     """A model or plan that tensor parallelism cannot run exactly; the message names what and ends with the fix."""
 
 

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from lightning_dta.core.errors import ConfigError
+
 Mode = Literal["dfs", "vanilla", "mask"]
 Activation = Literal["keep", "recompute", "auto"]
 Order = Literal["leaves-first", "tree"]
@@ -79,14 +81,15 @@ class EngineOptions:
             names = _names(hints[spec.name])
             if names:  # a Literal of names, or of names and null
                 if value not in names:
-                    raise ValueError(f"EngineOptions.{spec.name}={value!r}; choose one of {list(names)}")
+                    raise ConfigError(f"EngineOptions.{spec.name}={value!r} is unknown. Fix: one of {list(names)}")
             elif spec.name == "prefix_attention":
                 if value not in (None, True, False):
-                    raise ValueError(f"EngineOptions.prefix_attention={value!r}; use null, true or false")
+                    raise ConfigError(f"EngineOptions.prefix_attention={value!r}. Fix: null, true or false")
             elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"EngineOptions.{spec.name}={value!r}; use null or a positive int")
+                raise ConfigError(f"EngineOptions.{spec.name}={value!r}: a count of tokens or bytes. Fix: null or a "
+                                  "positive int")
         if (self.activation == "auto") != (self.activation_memory_budget is not None):
-            raise ValueError(f"EngineOptions.activation_memory_budget is required by activation='auto' and used by "
+            raise ConfigError(f"EngineOptions.activation_memory_budget is required by activation='auto' and used by "
                              f"nothing else (activation={self.activation!r}, activation_memory_budget="
                              f"{self.activation_memory_budget!r})")
 

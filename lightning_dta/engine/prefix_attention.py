@@ -244,6 +244,13 @@ def prefix_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     # transformers' attention modules carry one; other modules do not
     layer = getattr(module, "layer_idx", None)
     past = forward.past[layer] if forward.past and layer is not None else (None, None)
+    if torch.is_autocast_enabled(query.device.type):
+        # Mixed precision: the model's own attention (SDPA, an autocast op) computes in the autocast dtype, whatever
+        # dtype its inputs have (a Llama's keys leave RoPE in float32, its values leave the projection in bfloat16).
+        # A custom kernel is not an autocast op: cast as SDPA would, so the kernels get one dtype.
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        past = tuple(t.to(dtype) if t is not None else None for t in past)
     prefix_length = past[0].shape[2] if past[0] is not None else forward.deepest_start
     reason = _unsupported_call(module, forward, prefix_length, attention_mask, dropout, kwargs)
     if reason is None and query.shape[0] != 1:

@@ -15,6 +15,7 @@ checkpoint (:meth:`optimizer_state` / :meth:`load_optimizer_state`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,11 +24,13 @@ from torch import nn
 
 from lightning_dta.contracts import ParallelLayout
 from lightning_dta.core.advantages import gae_advantages
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import ValueLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.step import StepOutput, clip_by_norm, gradient_norm, tree_step_backward
 from lightning_dta.engine import EngineOptions, tree_values
-from lightning_dta.models import ModelSpec, build_causal_lm, value_model
+from lightning_dta.lightning.step import build_optimizer, check_optimizer
+from lightning_dta.models import ModelSpec, build_causal_lm, config_from_dict, value_model
 
 
 class PPOCritic(nn.Module):
@@ -48,7 +51,11 @@ class PPOCritic(nn.Module):
                  lam: float = 1.0) -> None:
         super().__init__()
         if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
-            raise ValueError(f"PPOCritic gamma={gamma} and lam={lam} must lie in [0, 1]")
+            raise ConfigError(f"model.critic.gamma={gamma} and lam={lam}: GAE's discount and trace decay. Fix: "
+                              "numbers in [0, 1]")
+        check_optimizer(optimizer, "model.critic.optimizer")
+        if isinstance(model, Mapping):
+            config_from_dict(model, "model.critic.model")
         self.spec = None if isinstance(model, nn.Module) else model
         self.model_kwargs = None if model_kwargs is None else dict(model_kwargs)
         self.model: nn.Module | None = value_model(model) if isinstance(model, nn.Module) else None
@@ -66,7 +73,7 @@ class PPOCritic(nn.Module):
     def configure(self, model_kwargs: dict[str, Any], layout: ParallelLayout) -> None:
         """Build the value model (once; after the policy, so that the policy's random init is unchanged)."""
         if layout.shards_weights:
-            raise ValueError("PPOCritic is not supported with strategy='dta_fsdp' yet (the critic would be a second "
+            raise ConfigError("PPOCritic is not supported with strategy='dta_fsdp' yet (the critic would be a second "
                              "sharded model). Fix: strategy='dta', or GRPO-style advantages")
         if self.model is None:
             kwargs = model_kwargs if self.model_kwargs is None else self.model_kwargs
@@ -102,7 +109,8 @@ class PPOCritic(nn.Module):
 
     def _ensure_optimizer(self) -> torch.optim.Optimizer:
         if self._optimizer is None:
-            self._optimizer = self.optimizer_factory(self.model.parameters())
+            self._optimizer = build_optimizer(self.optimizer_factory, self.model.parameters(),
+                                              "model.critic.optimizer")
             if self._optimizer_state is not None:
                 self._optimizer.load_state_dict(self._optimizer_state)
         return self._optimizer

@@ -44,6 +44,7 @@ from typing_extensions import override
 from lightning_dta.contracts import ModelLimits, ParallelLayout, StepSource, parallel_layout
 from lightning_dta.core.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.model_info import model_limits
@@ -107,7 +108,9 @@ class RolloutDataModule(L.LightningDataModule):
         cost_model: the partition's :class:`~lightning_dta.core.balance.CostModel` (its start, when calibrated).
         calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step
             (:meth:`observe_step`, which ``DTAModule`` calls), so the partition learns what this model and
-            hardware actually spend on tokens, attention and forward calls.
+            hardware actually spend on tokens, attention and forward calls. Off by default: the split then
+            depends on measured times, so the order in which rollouts' gradients are summed does too, and two runs
+            (or a run and its resumption) agree to about 1e-7 instead of bitwise (``docs/lightning.md``).
         shuffle: file sources only: visit the steps in a random order, a new one each epoch.
         seed: the shuffle seed; it must be the same on every rank (all ranks must agree on the step).
         max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
@@ -120,21 +123,21 @@ class RolloutDataModule(L.LightningDataModule):
     def __init__(self, path: str | Path | None = None, source: StepSource | StepIterable | None = None,
                  rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
                  partition_method: str = "contiguous", cost_model: CostModel | None = None,
-                 calibrate_cost_model: bool = True,
+                 calibrate_cost_model: bool = False,
                  shuffle: bool = False, seed: int = 0, max_steps_per_epoch: int | None = None,
                  vocab_size: int | None = None, max_positions: int | None = None, rank: int | None = None,
                  world_size: int | None = None) -> None:
         super().__init__()
         if (path is None) == (source is None):
-            raise ValueError("give exactly one of `path` (a JSONL rollout file) and `source` (an iterable of steps)")
+            raise ConfigError("give exactly one of `path` (a JSONL rollout file) and `source` (an iterable of steps)")
         if source is not None and (rollouts_per_step is not None or shuffle):
-            raise ValueError("`rollouts_per_step` and `shuffle` apply to a `path` source; an iterable `source` "
+            raise ConfigError("`rollouts_per_step` and `shuffle` apply to a `path` source; an iterable `source` "
                              "yields whole steps in its own order")
         if max_steps_per_epoch is not None and max_steps_per_epoch < 1:
-            raise ValueError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
+            raise ConfigError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
         check_partition_method(partition_method)
         if isinstance(source, StepSource) and advantage_estimator is not None:
-            raise ValueError(f"advantages would be estimated twice: by data.advantage_estimator="
+            raise ConfigError(f"advantages would be estimated twice: by data.advantage_estimator="
                              f"{advantage_estimator!r} and by the {type(source).__name__} itself "
                              f"({source.advantage_estimator!r}). Fix: set the estimator on the source only (in YAML "
                              "data.source.init_args.advantage_estimator) and leave data.advantage_estimator unset")
@@ -310,7 +313,7 @@ class RolloutDataModule(L.LightningDataModule):
             warnings.warn(f"resuming RolloutDataModule from a state with steps_per_epoch="
                           f"{state_dict.get('steps_per_epoch')} and seed={state_dict.get('seed')}, but now "
                           f"steps_per_epoch={self.steps_per_epoch} and seed={self.seed}: the steps skipped on "
-                          "resume may not be the ones trained before", stacklevel=2)
+                          "resume may not be the ones trained before", stacklevel=1)
         self._epoch = int(state_dict["epoch"])
         self._trained = int(state_dict["trained_steps"])
         self._finished = bool(state_dict["epoch_finished"])

@@ -18,7 +18,8 @@ and meta-device initialisation. What this strategy adds:
   and loaded into the shards (every rank reads only its slices): no rank ever holds the whole model;
 - the DFS step: one all-gather per unit before the walk, no collective during it (every rank walks its own tree),
   one reduce-scatter per unit after it, summed over ranks (:func:`lightning_dta.distributed.step.tree_step_backward`);
-- the failure watchdog of ``DTAStrategy`` (:mod:`lightning_dta.distributed.faults`), and the same refusals (automatic
+- the watchdog of ``DTAStrategy`` (:mod:`lightning_dta.lightning.watchdog`: a failure stops every rank within
+  seconds, SIGTERM every rank at the end of the same step, with status 143), and the same refusals (automatic
   optimization, ``16-mixed``).
 
 Registered as ``"dta_fsdp"`` on ``import lightning_dta``. There are no ``_spawn``/``_fork`` variants: the parent
@@ -38,12 +39,14 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_dta.contracts import DATA_PARALLEL, ParallelLayout, Sharding, TensorParallelism
-from lightning_dta.distributed.faults import FailureWatchdogMixin
+from lightning_dta.core.errors import ConfigError
+from lightning_dta.distributed.faults import DEFAULT_SIGNAL_GRACE_SEC
 from lightning_dta.distributed.sharding import ShardingError, is_sharded
 from lightning_dta.lightning.step import check_dfs_setup
+from lightning_dta.lightning.watchdog import RankWatchdogMixin, check_signal_grace
 
 
-class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
+class DTAFSDPStrategy(RankWatchdogMixin, ModelParallelStrategy):
     """DFS training on FSDP2-sharded weights (module docstring).
 
     Args:
@@ -64,6 +67,8 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
             ``float32`` (4 bytes per parameter during the walk) or ``bfloat16`` (2 bytes; the reduce-scatter then runs
             in bfloat16 too). FSDP2 keeps the unsharded gradient in its ``reduce_dtype``.
         process_group_backend, timeout: as for Lightning's strategies.
+        signal_grace_sec: as for ``DTAStrategy``: after SIGTERM, a rank that has not stopped within this many
+            seconds exits with status 143.
     """
 
     strategy_name = "dta_fsdp"
@@ -72,13 +77,14 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
                  cpu_offload: bool = False, save_distributed_checkpoint: bool = True, tensor_parallel_size: int = 1,
                  vocab_parallel: bool = True, tensor_parallel_plan: dict[str, str] | None = None,
                  walk_gradient_dtype: Literal["float32", "bfloat16"] = "float32",
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 signal_grace_sec: float = DEFAULT_SIGNAL_GRACE_SEC) -> None:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
-            raise ValueError(f"DTAFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): use a positive int "
+            raise ConfigError(f"DTAFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): use a positive int "
                              "(1: no tensor parallelism)")
         if walk_gradient_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"DTAFSDPStrategy(walk_gradient_dtype={walk_gradient_dtype!r}): choose 'float32' or "
+            raise ConfigError(f"DTAFSDPStrategy(walk_gradient_dtype={walk_gradient_dtype!r}): choose 'float32' or "
                              "'bfloat16'")
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
@@ -90,22 +96,23 @@ class DTAFSDPStrategy(FailureWatchdogMixin, ModelParallelStrategy):
         self.vocab_parallel = vocab_parallel
         self.tensor_parallel_plan = dict(tensor_parallel_plan or {})
         self.walk_gradient_dtype = walk_gradient_dtype
+        self.signal_grace_sec = check_signal_grace(signal_grace_sec)
 
     @override
     def setup_environment(self) -> None:
         world = self.num_nodes * self.num_processes
         if world % self.tensor_parallel_size:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide the {world} ranks "
+            raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size} does not divide the {world} ranks "
                              f"(devices x nodes). Fix: a tensor-parallel size that divides {world}, or more devices")
         precision = self.precision_plugin.precision
         if self.walk_gradient_dtype == "bfloat16" and precision not in ("bf16-true", "bf16-mixed"):
-            raise ValueError(f"walk_gradient_dtype='bfloat16' halves the gradient the walk holds under bfloat16 "
+            raise ConfigError(f"walk_gradient_dtype='bfloat16' halves the gradient the walk holds under bfloat16 "
                              f"weights; the precision is {precision!r}. Fix: precision='bf16-true' (or 'bf16-mixed'), "
                              "or walk_gradient_dtype='float32'")
         self._data_parallel_size = world // self.tensor_parallel_size  # every rank shards over its dp group
         self._tensor_parallel_size = self.tensor_parallel_size
         super().setup_environment()
-        self._start_failure_watchdog()
+        self._start_watchdog()
 
     @property
     def parallel_layout(self) -> ParallelLayout:

@@ -32,14 +32,15 @@ from typing_extensions import override
 
 from lightning_dta.contracts import EstimatesAdvantages, ParallelLayout, TreeDataModule, parallel_layout
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.parallelize import parallelize_model
 from lightning_dta.distributed.step import StepOutput, batch_tree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.lightning.critic import PPOCritic
-from lightning_dta.lightning.step import DFSStepMixin
-from lightning_dta.models import ModelSpec, build_causal_lm, build_on_meta
+from lightning_dta.lightning.step import DFSStepMixin, build_optimizer, check_clipping, check_optimizer
+from lightning_dta.models import ModelSpec, build_causal_lm, build_on_meta, config_from_dict
 
 
 def _is_plain(value: Any) -> bool:
@@ -58,8 +59,9 @@ class NonFiniteGuard:
     and stops the run after ``max_in_a_row`` of them in a row."""
 
     def __init__(self, max_in_a_row: int) -> None:
-        if max_in_a_row < 1:
-            raise ValueError(f"max_nonfinite_skips={max_in_a_row} must be >= 1")
+        if not (isinstance(max_in_a_row, int) and max_in_a_row >= 1):
+            raise ConfigError(f"model.max_nonfinite_skips={max_in_a_row!r}: the run stops after this many skipped "
+                              "steps in a row. Fix: an int >= 1 (default 3)")
         self.max_in_a_row = max_in_a_row
         self.in_a_row = 0
 
@@ -72,7 +74,7 @@ class NonFiniteGuard:
                  for i in out.nonfinite_rollouts] if tree is not None else []
         warnings.warn(f"batch {batch_idx} skipped on every rank (loss {out.loss}, gradient norm {out.grad_norm}); "
                       f"rank {rank}: non-finite loss terms in rollouts {named or 'none of this rank'} "
-                      "(indices in this rank's tree)", RuntimeWarning, stacklevel=3)
+                      "(indices in this rank's tree)", RuntimeWarning, stacklevel=2)
         if self.in_a_row >= self.max_in_a_row:
             raise RuntimeError(f"{self.in_a_row} steps in a row had a non-finite loss or gradient "
                                f"(max_nonfinite_skips={self.max_in_a_row}): the run stops. Check the "
@@ -110,6 +112,10 @@ class DTAModule(DFSStepMixin, LightningModule):
                  max_nonfinite_skips: int = 3, critic: PPOCritic | None = None) -> None:
         super().__init__()
         self.automatic_optimization = False
+        check_clipping(gradient_clip_val, gradient_clip_algorithm)
+        check_optimizer(optimizer, "model.optimizer")
+        if isinstance(model, Mapping):
+            config_from_dict(model, "model.model")  # its type and shape, checked now (no weights are built)
         self.guard = NonFiniteGuard(max_nonfinite_skips)
         self.loss_fn = loss if isinstance(loss, PolicyLoss) else PolicyLoss(**loss)  # a mapping: from a checkpoint
         self.engine = EngineOptions.resolve(engine)
@@ -184,7 +190,7 @@ class DTAModule(DFSStepMixin, LightningModule):
     def configure_optimizers(self) -> Any:
         if self.model is None:
             raise RuntimeError("configure_model() must run before configure_optimizers()")
-        optimizer = self.optimizer_factory(self.model.parameters())
+        optimizer = build_optimizer(self.optimizer_factory, self.model.parameters(), "model.optimizer")
         if self.lr_scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer,
@@ -213,11 +219,11 @@ class DTAModule(DFSStepMixin, LightningModule):
     def _check_gae_setup(self, estimator: str | None) -> None:
         """A critic and advantage_estimator='gae' come together: one without the other trains on something else."""
         if estimator == "gae" and self.critic is None:
-            raise ValueError("advantage_estimator='gae' needs a critic to estimate the advantages. Fix: "
+            raise ConfigError("advantage_estimator='gae' needs a critic to estimate the advantages. Fix: "
                              "DTAModule(critic=...) with a lightning_dta.PPOCritic (in YAML model.critic.model: a "
                              "model spec like model.model)")
         if self.critic is not None and estimator != "gae":
-            raise ValueError(f"DTAModule(critic=...) estimates advantages with GAE, but the step source uses "
+            raise ConfigError(f"DTAModule(critic=...) estimates advantages with GAE, but the step source uses "
                              f"{estimator or 'the rollouts own advantages'}. Fix: advantage_estimator: gae (on the "
                              "data module, or on the online source)")
 

@@ -9,6 +9,7 @@ critic's, in the training step), and it says which estimator it applies (``advan
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
@@ -20,6 +21,7 @@ import numpy as np
 from lightning_dta.contracts import ModelLimits
 from lightning_dta.core.advantages import check_advantage_estimator, estimate_advantages
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
 
 StepIterable = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
@@ -51,17 +53,23 @@ class FileSteps:
 
     Read and validated once (:meth:`load`: every faulty line in one error, ``PATH:LINE``), advantages estimated per
     step then, so that errors surface before training. A last, smaller chunk is kept as a smaller step, not dropped.
-    With an advantage estimator, a cut between two rollouts of the same ``group_id`` is refused: the group would be
-    normalised in two halves. ``shuffle`` visits the steps in an order drawn from ``(seed, epoch)``: the same on
-    every rank.
+    With an advantage estimator that uses groups (every one but ``"gae"``), a ``group_id`` whose rollouts fall into
+    two steps is refused, with a line of each: the group would be normalised in parts. The file is not reordered
+    (training sees its lines in their order); a group's lines need not be adjacent, only within one step.
+    ``shuffle`` visits the steps in an order drawn from ``(seed, epoch)``: the same on every rank.
     """
 
     def __init__(self, path: str | Path, rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
                  shuffle: bool = False, seed: int = 0) -> None:
-        if rollouts_per_step is not None and rollouts_per_step < 1:
-            raise ValueError(f"rollouts_per_step={rollouts_per_step} must be >= 1 (or None: one step per file)")
+        if rollouts_per_step is not None and not (isinstance(rollouts_per_step, int) and rollouts_per_step >= 1):
+            raise ConfigError(f"data.rollouts_per_step={rollouts_per_step!r}: the rollouts of one optimizer step. Fix: "
+                              "an int >= 1 (a multiple of the group size), or null for one step per file")
         check_advantage_estimator(advantage_estimator)
         self.path = Path(path)
+        if not self.path.is_file():
+            what = "is a directory" if self.path.is_dir() else "does not exist"
+            raise ConfigError(f"data.path={str(path)!r} {what}. Fix: the path of a JSONL rollout file (one rollout "
+                              "object per line)")
         self.rollouts_per_step = rollouts_per_step
         self.advantage_estimator = advantage_estimator
         self.shuffle, self.seed = shuffle, seed
@@ -75,15 +83,8 @@ class FileSteps:
             return
         rollouts, self._lines = read_rollout_lines(self.path, limits.vocab_size, limits.max_positions)
         size = self.rollouts_per_step or len(rollouts)
-        if self.advantage_estimator is not None:
-            for cut in range(size, len(rollouts), size):
-                group = rollouts[cut].group_id
-                if group is not None and rollouts[cut - 1].group_id == group:
-                    raise RolloutError(cut, "group_id", f"group {group!r} is split between steps {cut // size - 1} "
-                                       f"and {cut // size} (rollouts_per_step={size}), so its advantages would be "
-                                       "estimated in two halves", "make rollouts_per_step a multiple of the "
-                                       "group size, or keep each group's rollouts together in the file",
-                                       self._location(cut))
+        if self.advantage_estimator not in (None, "gae"):
+            self._check_groups_within_steps(rollouts, size)
         steps = []
         for number, start in enumerate(range(0, len(rollouts), size)):
             step = rollouts[start:start + size]
@@ -94,7 +95,22 @@ class FileSteps:
                 raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
                                    self._location(index)) from None
         self._steps = steps
-        _warn_about_file(self.path, steps, size, critic_estimates=self.advantage_estimator == "gae")
+        _warn_about_file(self.path, self._lines, steps, size, self.advantage_estimator)
+
+    def _check_groups_within_steps(self, rollouts: list[Rollout], size: int) -> None:
+        """Refuse a group whose rollouts fall into two steps (module docstring), naming a line in each."""
+        first: dict = {}  # group -> index of its first rollout
+        for index, rollout in enumerate(rollouts):
+            group = rollout.group_id
+            if group is None:
+                continue
+            start = first.setdefault(group, index)
+            if start // size != index // size:
+                raise RolloutError(index, "group_id", f"group {group!r} is in step {start // size} (its first "
+                                   f"rollout, {self._location(start)}) and in step {index // size} (rollouts_per_step="
+                                   f"{size}), so its advantages would be estimated in parts",
+                                   "keep each group's rollouts within one step: group the file by group_id, with "
+                                   "rollouts_per_step a multiple of the group size", self._location(index))
 
     def check_limits(self, limits: ModelLimits) -> None:
         """Check the loaded rollouts against ``limits`` (the model's, known once training starts)."""
@@ -168,21 +184,39 @@ class IterableSteps:
         """Nothing to restore: the epoch is read again and the trained steps skipped."""
 
 
-def _warn_about_file(path: Path, steps: list[list[Rollout]], size: int, critic_estimates: bool = False) -> None:
-    """Warn (once each, with the count) about a file that trains on less than it seems to."""
+def _warn_about_file(path: Path, lines: list[int], steps: list[list[Rollout]], size: int,
+                     estimator: str | None) -> None:
+    """Warn (once each, with the count) about a file that trains on less than it seems to. The warnings point at
+    the rollout file and the line of the first rollout concerned (not at the code that happened to read it)."""
+
+    def warn(index: int, message: str) -> None:
+        warnings.warn_explicit(message, UserWarning, filename=str(path), lineno=lines[index])
+
     rollouts = [rollout for step in steps for rollout in step]
-    untrained = sum(1 for rollout in rollouts if not any(rollout.mask()))
+    untrained = [i for i, rollout in enumerate(rollouts) if not any(rollout.mask())]
     if untrained:
-        warnings.warn(f"{untrained} of {len(rollouts)} rollouts in {path} train no token (their loss_mask is all 0): "
-                      "they add nothing to the loss", UserWarning, stacklevel=4)
+        warn(untrained[0], f"{len(untrained)} of {len(rollouts)} rollouts in {path} train no token (their loss_mask "
+             "is all 0): they add nothing to the loss")
     if len(steps[-1]) < size:
-        warnings.warn(f"the last step of {path} has {len(steps[-1])} rollouts, not rollouts_per_step={size}: its "
-                      "loss is normalised over fewer rollouts", UserWarning, stacklevel=4)
-    flat = [step for step in steps if not any(_has_advantage(rollout) for rollout in step)]
-    if flat and not critic_estimates:  # with "gae" the critic writes the advantages in the step
-        warnings.warn(f"{len(flat)} of {len(steps)} steps of {path} have every advantage 0: their policy gradient is "
-                      "0 (and so is the loss without KL or entropy terms). Fix: set advantage_estimator (e.g. grpo) "
-                      "or write advantages into the file", UserWarning, stacklevel=4)
+        warn(len(rollouts) - len(steps[-1]), f"the last step of {path} has {len(steps[-1])} rollouts, not "
+             f"rollouts_per_step={size}: its loss is normalised over fewer rollouts")
+    if estimator not in (None, "gae"):
+        members = collections.Counter(rollout.group_id for rollout in rollouts if rollout.group_id is not None)
+        alone = [i for i, rollout in enumerate(rollouts) if members.get(rollout.group_id) == 1]
+        if alone:
+            warn(alone[0], f"{len(alone)} group(s) of {path} have a single rollout (the first: group "
+                 f"{rollouts[alone[0]].group_id!r}): with advantage_estimator={estimator!r} a rollout alone in its "
+                 "group has no baseline but itself, so its advantage is 0. Fix: several rollouts per group_id")
+    flat = [number for number, step in enumerate(steps) if not any(_has_advantage(rollout) for rollout in step)]
+    if flat and estimator != "gae":  # with "gae" the critic writes the advantages in the step
+        first = sum(len(step) for step in steps[:flat[0]])
+        if estimator:
+            why = f"after advantage_estimator={estimator!r} (each of their groups has one rollout or equal rewards)"
+            fix = "groups of several rollouts with different rewards"
+        else:
+            why, fix = "(no advantage_estimator is set)", "set advantage_estimator (e.g. grpo) or write advantages"
+        warn(first, f"{len(flat)} of {len(steps)} steps of {path} have every advantage 0 {why}: their policy "
+             f"gradient is 0 (and so is the loss without KL or entropy terms). Fix: {fix}")
 
 
 def _has_advantage(rollout: Rollout) -> bool:

@@ -16,9 +16,12 @@ clipping) to inspect gradients.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
 from torch import nn
@@ -26,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_dta.contracts import Objective, parallel_layout
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.sharding import unsharded
@@ -50,24 +54,68 @@ def _lightning_optimizer(module: pl.LightningModule, optimizer: Optimizer | None
     raise ValueError("`optimizer` is not one of the module's optimizers (configure_optimizers)")
 
 
+def check_clipping(gradient_clip_val: float | None, gradient_clip_algorithm: str, where: str = "model") -> None:
+    """Clipping settings: a norm or value >= 0 (0 and ``None``: no clipping) and ``"norm"`` or ``"value"``. A negative
+    value would be skipped by Lightning's clipping and would flip the sign of gradients in torch's
+    ``clip_grad_norm_``."""
+    if gradient_clip_val is not None and not (isinstance(gradient_clip_val, (int, float))
+                                              and math.isfinite(gradient_clip_val) and gradient_clip_val >= 0):
+        raise ConfigError(f"{where}.gradient_clip_val={gradient_clip_val!r}: the largest gradient norm (or value) "
+                          "after clipping. Fix: a number > 0, or 0/null for no clipping")
+    if gradient_clip_algorithm not in ("norm", "value"):
+        raise ConfigError(f"{where}.gradient_clip_algorithm={gradient_clip_algorithm!r} is unknown. Fix: 'norm' (the "
+                          "total 2-norm, the default) or 'value' (each entry)")
+
+
+def build_optimizer(factory: Callable[[Iterable[torch.nn.Parameter]], Optimizer],
+                    parameters: Iterable[torch.nn.Parameter], where: str) -> Optimizer:
+    """``factory(parameters)``, its settings checked: the optimizer's own refusal (a ``ValueError``: "Invalid
+    learning rate: -1.0") and a learning rate that is negative or not finite (which some optimizers accept) are a
+    :class:`ConfigError` naming ``where`` (the setting, e.g. ``model.optimizer``)."""
+    try:
+        optimizer = factory(parameters)
+    except ValueError as error:
+        raise ConfigError(f"{where} refuses its settings: {error}. Fix: the optimizer's init_args within their "
+                          "ranges (a learning rate >= 0, betas in [0, 1), ...)") from error
+    for group in optimizer.param_groups:
+        lr = group.get("lr")
+        lr = float(lr) if isinstance(lr, (int, float, torch.Tensor)) else None
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"{where}: {type(optimizer).__name__} has a learning rate of {lr}, which would train "
+                              "against the gradient (or not at all). Fix: a learning rate >= 0")
+    return optimizer
+
+
+def check_optimizer(factory: Callable[[Iterable[torch.nn.Parameter]], Optimizer], where: str) -> None:
+    """Refuse bad optimizer settings when a config is read, before any model exists: build the optimizer once
+    over a one-element parameter (:func:`build_optimizer`). A factory that needs the real parameters (it raises
+    anything but a refusal of its settings) is checked when it builds the real optimizer."""
+    try:
+        build_optimizer(factory, [torch.nn.Parameter(torch.zeros(1))], where)
+    except ConfigError:
+        raise
+    except Exception:  # noqa: BLE001 (a factory of the user's that wants the model's parameters)
+        return
+
+
 def check_dfs_setup(strategy: Strategy) -> None:
     """Refuse set-ups whose gradient handling assumes ``manual_backward`` of one loss tensor: the one place every
     DFS strategy (at ``setup``) and :func:`dfs_training_step` (for any other strategy) check them."""
     module = strategy.lightning_module
     if module is not None and module.automatic_optimization:
-        raise RuntimeError(
+        raise ConfigError(
             f"{type(strategy).__name__} trains manual-optimization modules that run one DFS step per batch (DTAModule, "
             "or a module calling lightning_dta.dfs_training_step): it does not synchronise gradients in backward, "
             "and a DFS runs one backward per tree node. Fix: set `self.automatic_optimization = False`.")
     if strategy.model is not None and strategy.model is not strategy.lightning_module:  # a DDP/FSDP1 wrapper
-        raise RuntimeError(
+        raise ConfigError(
             f"{type(strategy).__name__} wrapped the module in {type(strategy.model).__name__}; its gradient hooks "
             "fire on every backward of a DFS step (or, under no_sync, leave some parameters unsynced). Fix: "
             "Trainer(strategy='dta'), which keeps the module unwrapped and sums the gradients once per step.")
     plugin = strategy.precision_plugin
     # Only mixed-precision plugins have a grad scaler; on a CPU Lightning turns 16-mixed into bf16-mixed.
     if plugin.precision == "16-mixed" or getattr(plugin, "scaler", None) is not None:
-        raise RuntimeError(
+        raise ConfigError(
             "precision='16-mixed' scales the loss in manual_backward, which a DFS step does not call, and would "
             "then unscale unscaled gradients. Fix: precision='bf16-mixed' or 'bf16-true' (or '32-true').")
 
@@ -102,6 +150,7 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
     model = model if model is not None else getattr(module, "model", None)  # a user module: the documented default
     if not isinstance(model, nn.Module):
         raise TypeError("dfs_training_step needs the causal LM: pass `model=` or set `module.model`")
+    check_clipping(gradient_clip_val, gradient_clip_algorithm, "dfs_training_step")
     strategy = module.trainer.strategy
     check_dfs_setup(strategy)
     layout = parallel_layout(strategy)

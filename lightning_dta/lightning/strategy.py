@@ -12,8 +12,9 @@ unwrapped and only guarantees what the DFS step (:mod:`lightning_dta.distributed
   before the DFS and one flattened SUM of the gradients after it (``bucket_mb`` per bucket);
 - the usual DDP launchers, ranks, ``barrier``/``broadcast``/``reduce`` for logging and checkpointing, which it
   inherits from Lightning's ``DDPStrategy``;
-- a failure on one rank stops every rank within seconds, with that rank's error printed on all of them
-  (:mod:`lightning_dta.distributed.faults`), instead of the others waiting for the collective timeout.
+- a failure on one rank stops every rank within seconds, with that rank's error printed on all of them, instead
+  of the others waiting for the collective timeout; SIGTERM to any rank stops every rank at the end of the same
+  step, with exit status 143 (:mod:`lightning_dta.lightning.watchdog`).
 
 On a single device no process group is created at all and every collective is a no-op, so ``devices=1`` runs
 the same code. Lightning finds no third-party strategy by itself, so ``import lightning_dta`` registers the
@@ -41,12 +42,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_dta.contracts import DEFAULT_BUCKET_MB, ParallelLayout
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.distributed.collectives import broadcast_module
-from lightning_dta.distributed.faults import FailureWatchdogMixin
+from lightning_dta.distributed.faults import DEFAULT_SIGNAL_GRACE_SEC
 from lightning_dta.lightning.step import check_dfs_setup
+from lightning_dta.lightning.watchdog import RankWatchdogMixin, check_signal_grace
 
 
-class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
+class DTAStrategy(RankWatchdogMixin, DDPStrategy):
     """Data parallelism for DFS steps: unwrapped module, weights broadcast at setup, gradients summed once per step.
 
     Args:
@@ -54,6 +57,8 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default: NCCL on CUDA, gloo on CPU.
         timeout: collective timeout.
         start_method: ``"popen"`` (re-run the script per rank, like ``"ddp"``) or ``"spawn"``/``"fork"``.
+        signal_grace_sec: after SIGTERM, a rank that has not stopped with the others within this many seconds (a
+            step or a checkpoint that takes longer, a collective that does not end) exits with status 143.
         The other arguments are filled in by the Trainer, as for every Lightning strategy.
     """
 
@@ -64,14 +69,16 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB, signal_grace_sec: float = DEFAULT_SIGNAL_GRACE_SEC) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
+        if not bucket_mb > 0:
+            raise ConfigError(f"DTAStrategy bucket_mb={bucket_mb!r}: the size in MB of each gradient bucket summed "
+                              f"over ranks. Fix: a positive size (default {DEFAULT_BUCKET_MB})")
         self.bucket_mb = float(bucket_mb)
+        self.signal_grace_sec = check_signal_grace(signal_grace_sec)
 
     @property
     def parallel_layout(self) -> ParallelLayout:
@@ -100,7 +107,7 @@ class DTAStrategy(FailureWatchdogMixin, DDPStrategy):
             self.set_world_ranks()
             return
         super().setup_distributed()
-        self._start_failure_watchdog()
+        self._start_watchdog()
 
     @override
     def setup(self, trainer: Trainer) -> None:

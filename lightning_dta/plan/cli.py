@@ -19,7 +19,8 @@ from jsonargparse import ArgumentParser, Namespace
 
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.balance import partition
-from lightning_dta.core.rollout import RolloutError, read_rollouts
+from lightning_dta.core.errors import UsageError
+from lightning_dta.core.rollout import RolloutError, read_rollouts, validate_rollouts
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.plan.flops import tensor_parallel_config
@@ -34,23 +35,30 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "ki
          "gib": 2**30, "tib": 2**40}
 
 
-class PlanError(ValueError):
+class PlanError(UsageError, ValueError):
     """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
 
 
 def parse_bytes(text: str) -> int:
-    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MiB"``, ``"1.5e9"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MiB"``, ``"1.5e9"``, ``"1E3"`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in UNITS:
         raise PlanError(f"--memory {text!r}: write a size such as 80GB, 80GiB or 512MiB")
     value = float(match.group(1)) * UNITS[match.group(2).lower()]
-    if not 1 <= value < 2**63:
+    if value < 1:
         raise PlanError(f"--memory {text!r}: a size of at least one byte, such as 80GB")
+    if not value < 2**63:
+        raise PlanError(f"--memory {text!r} is more than any accelerator holds (at most 2**63 bytes). Fix: the "
+                        "memory of one device, such as 80GB")
     return int(value)
 
 
 def gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    """A size in the unit that shows it: GiB, MiB, KiB or bytes."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}" if unit == "GiB" else f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
 
 
 def load_config(model: str):
@@ -69,8 +77,11 @@ def load_config(model: str):
 
     try:
         config = AutoConfig.from_pretrained(str(path))
-    except (OSError, ValueError) as error:
-        raise PlanError(f"--model {model!r}: {path} is not a Hugging Face model config ({error})") from error
+    except Exception as error:  # any refusal of the file (transformers validates configs with its own error classes)
+        cause = " ".join(str(error.__cause__ or error).split())
+        raise PlanError(f"--model {model!r}: {path} is not a Hugging Face model config transformers accepts ({cause}). "
+                        "Fix: a config.json with a consistent shape (e.g. hidden_size a multiple of "
+                        "num_attention_heads)") from error
     config._attn_implementation = "sdpa"
     return config
 
@@ -105,26 +116,34 @@ def build_parser() -> ArgumentParser:
 
 
 def _rank_trees(args: Namespace, config) -> tuple[list[PrefixTree], str]:
+    """The step's rollouts, validated against the model (the file's errors as ``PATH:LINE``), split over the ranks."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    # optional config fields: not every model family has them
+    vocab, positions = text.vocab_size, getattr(text, "max_position_embeddings", None)
     if args.rollouts and args.workload:
         raise PlanError("give --workload or --rollouts, not both")
-    if args.rollouts:
-        rollouts, what = read_rollouts(args.rollouts), args.rollouts
-    else:
-        workload = args.workload or "agent"
-        rollouts, what = WORKLOADS[workload].generate(text.vocab_size, args.seed), f"workload {workload}"
-    if not rollouts:
-        raise PlanError(f"{what} holds no rollouts")
     if args.devices < 1:
         raise PlanError(f"--devices {args.devices}: use 1 or more")
+    if args.rollouts:
+        rollouts, what = read_rollouts(args.rollouts, vocab_size=vocab, max_positions=positions), args.rollouts
+    else:
+        workload = args.workload or "agent"
+        rollouts, what = WORKLOADS[workload].generate(vocab, args.seed), f"workload {workload}"
+        try:
+            validate_rollouts(rollouts, vocab_size=vocab, max_positions=positions, source=f"the {what}")
+        except RolloutError as error:
+            raise PlanError(f"the {what}{' (the default step)' if args.workload is None else ''} does not fit "
+                            f"--model {args.model}: {error}\nFix: another workload (--workload "
+                            f"{'|'.join(sorted(WORKLOADS))}) or your own step (--rollouts FILE)") from None
     if args.tensor_parallel < 1 or args.devices % args.tensor_parallel:
         raise PlanError(f"--tensor-parallel {args.tensor_parallel} must divide --devices {args.devices}")
     walkers = args.devices // args.tensor_parallel  # tensor-parallel peers walk one tree
+    if walkers > len(rollouts):
+        over = f"--devices {args.devices}" if args.tensor_parallel == 1 else f"{walkers} data-parallel ranks"
+        print(f"lightning-dta plan: note: {len(rollouts)} rollouts over {over}: "
+              f"{walkers - len(rollouts)} ranks have nothing to train in this step", file=sys.stderr)
     shares = partition(rollouts, walkers) if walkers > 1 else [list(range(len(rollouts)))]
-    trees = [PrefixTree.from_rollouts([rollouts[i] for i in share], vocab_size=text.vocab_size,
-                                      # optional config fields: not every model family has them
-                                      max_positions=getattr(text, "max_position_embeddings", None))
-             for share in shares if share]
+    trees = [PrefixTree.from_rollouts([rollouts[i] for i in share], validate=False) for share in shares if share]
     return trees, what
 
 
@@ -146,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _run(args, parser)
-    except (PlanError, RolloutError, OSError) as error:  # OSError: a rollout file that cannot be read
+    except (UsageError, OSError) as error:  # OSError: a rollout file that cannot be read
         print(f"lightning-dta plan: error: {error}", file=sys.stderr)
         return 2
 
@@ -216,7 +235,7 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
     print(f"forward-only tree_logprobs: {gib(max(p.forward_only.activations for p in plans))} beside the state, "
           f"{forward:.3g} TFLOPs ({vanilla_forward / forward:.2f}x fewer than per-rollout forwards)")
     if fits is not None:
-        _print_fits(_common_fits(fits), memory)
+        _print_fits(_common_fits(fits), memory, args.strategy)
     return 0
 
 
@@ -239,11 +258,13 @@ def _common_fits(fits: list[list]) -> list[dict]:
     return sorted(out, key=lambda f: f["tflops"])
 
 
-def _print_fits(fits: list[dict], memory: int) -> None:
-    print(f"\nengine options that fit {gib(memory)} per rank (less {HEADROOM:.0%} headroom), cheapest first:")
+def _print_fits(fits: list[dict], memory: int, strategy: str) -> None:
+    print(f"\ndfs engine options that fit {gib(memory)} per rank (less {HEADROOM:.0%} headroom), cheapest first (the "
+          "vanilla rows above are the per-rollout baselines, never proposed):")
     if not fits:
-        print("  none: not even dfs recompute with 256-token chunks. Shard the state (--strategy dta_fsdp), use "
-              "more ranks, or shorter rollouts.")
+        shard = "use more ranks" if strategy == "dta_fsdp" else "shard the state (--strategy dta_fsdp), use more ranks"
+        print(f"  none: not even dfs recompute with 256-token chunks. {shard[0].upper() + shard[1:]}, or shorter "
+              "rollouts.")
         return
     for fit in fits:
         options = ", ".join(f"{k}={v}" for k, v in fit["engine"].items()) or "defaults"

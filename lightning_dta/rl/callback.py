@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_dta.contracts import parallel_layout
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.distributed.collectives import all_gather_floats, broadcast_module
 from lightning_dta.distributed.sharding import is_sharded
@@ -64,7 +65,7 @@ class OnlineRLCallback(Callback):
                  print_every_n_steps: int = 10, reward_plot: str | None = "reward.png",
                  policy_attr: str = "model") -> None:
         if sft_warmup_steps < 0 or print_every_n_steps < 0:
-            raise ValueError("sft_warmup_steps and print_every_n_steps must be >= 0")
+            raise ConfigError("sft_warmup_steps and print_every_n_steps must be >= 0")
         self.sft_warmup_steps, self.sft_warmup_lr = sft_warmup_steps, sft_warmup_lr
         self.sft_warmup_batch_size = sft_warmup_batch_size
         self.print_every_n_steps = print_every_n_steps
@@ -95,7 +96,7 @@ class OnlineRLCallback(Callback):
                             f"{type(datamodule).__name__} with source {type(source).__name__}")
         loss_fn = getattr(pl_module, "loss_fn", None)  # a user's module: DTAModule's loss, if it has one
         if isinstance(loss_fn, PolicyLoss) and loss_fn.kl_coef > 0 and not source.ref_logprobs:
-            raise ValueError(f"kl_coef={loss_fn.kl_coef} but the rollouts carry no reference log-probs, so the KL "
+            raise ConfigError(f"kl_coef={loss_fn.kl_coef} but the rollouts carry no reference log-probs, so the KL "
                              "term would be silently zero. Fix: OnlineRolloutSource(ref_logprobs=True), or kl_coef=0")
         return source
 

@@ -23,13 +23,14 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from lightning_dta.core.errors import UsageError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.rl.generation import Completion, Generator, derive_seed
 
 Observation = str | list[int]
 
 
-class RewardError(ValueError):
+class RewardError(UsageError, ValueError):
     """A reward (or the environment computing it) returned something that is not a finite number."""
 
 

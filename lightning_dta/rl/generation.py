@@ -31,6 +31,7 @@ from torch import nn
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.distributed.sharding import copy_weights, is_sharded, unsharded_copy
 
 
@@ -148,14 +149,14 @@ class HFGenerator(Generator):
     def __init__(self, max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token_ids: list[int] | None = None, batch_size: int = 64, model: nn.Module | None = None) -> None:
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+            raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if not temperature > 0 or not math.isfinite(temperature):
-            raise ValueError(f"temperature={temperature} must be a positive number (use a small one, not 0, for "
+            raise ConfigError(f"temperature={temperature} must be a positive number (use a small one, not 0, for "
                              "near-greedy sampling: RL needs samples from a distribution)")
         if top_k < 0 or not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_k={top_k} must be >= 0 and top_p={top_p} in (0, 1]")
+            raise ConfigError(f"top_k={top_k} must be >= 0 and top_p={top_p} in (0, 1]")
         if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+            raise ConfigError(f"batch_size={batch_size} must be >= 1")
         self.max_new_tokens = max_new_tokens
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.extra_stop_ids = list(stop_token_ids or [])
@@ -173,7 +174,7 @@ class HFGenerator(Generator):
     def attach(self, policy: nn.Module, *, eos_token_id: int | None, pad_token_id: int | None,
                share_weights: bool) -> None:
         if eos_token_id is None and not self.extra_stop_ids:
-            raise ValueError("HFGenerator has no stop token: the tokenizer has no eos_token_id and no "
+            raise ConfigError("HFGenerator has no stop token: the tokenizer has no eos_token_id and no "
                              "stop_token_ids were given, so every call would run to max_new_tokens and the policy "
                              "could never learn to stop. Fix: use a tokenizer with an EOS token, or pass "
                              "HFGenerator(stop_token_ids=[...])")
@@ -200,7 +201,8 @@ class HFGenerator(Generator):
             try:
                 copy_weights(policy, self.model)
             except ValueError as error:
-                raise ValueError(f"{error}: give HFGenerator(model=...) the same architecture as the policy") from error
+                raise ConfigError(f"{error}: give HFGenerator(model=...) the same architecture as the "
+                                  "policy") from error
         self.version = version
 
     def _processors(self, generators: list[torch.Generator]) -> LogitsProcessorList:
@@ -220,7 +222,7 @@ class HFGenerator(Generator):
                                "OnlineRLCallback does it when training starts)")
         for index, prompt in enumerate(prompts):
             if len(prompt) == 0:
-                raise ValueError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
+                raise ConfigError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
                                  "(start prompts with a BOS token)")
         device = next(self.model.parameters()).device
         noise_device = device if device.type == "cuda" else torch.device("cpu")

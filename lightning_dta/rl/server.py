@@ -44,6 +44,7 @@ from typing import Any
 
 from torch import nn
 
+from lightning_dta.core.errors import ConfigError, UsageError
 from lightning_dta.distributed.collectives import rank
 from lightning_dta.distributed.sharding import export_hf_checkpoint
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
@@ -51,7 +52,7 @@ from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_
 WeightSync = Callable[[nn.Module, int], None]
 
 
-class ServerError(RuntimeError):
+class ServerError(UsageError, RuntimeError):
     """The inference server failed or answered in a form the client cannot use; the message says what to change."""
 
 
@@ -82,13 +83,13 @@ class OpenAICompatibleGenerator(Generator):
                  api_key: str | None = None, max_concurrent_requests: int = 64, max_retries: int = 3,
                  retry_backoff_sec: float = 1.0, extra_body: dict[str, Any] | None = None) -> None:
         if max_new_tokens < 1 or max_concurrent_requests < 1:
-            raise ValueError("max_new_tokens and max_concurrent_requests must be >= 1")
+            raise ConfigError("max_new_tokens and max_concurrent_requests must be >= 1")
         if max_retries < 0 or retry_backoff_sec < 0:
-            raise ValueError("max_retries and retry_backoff_sec must be >= 0")
+            raise ConfigError("max_retries and retry_backoff_sec must be >= 0")
         if isinstance(weight_sync, str) and weight_sync not in ("sglang-disk", "none"):
-            raise ValueError(f"weight_sync={weight_sync!r}; use 'sglang-disk', 'none' or a callable(model, version)")
+            raise ConfigError(f"weight_sync={weight_sync!r}; use 'sglang-disk', 'none' or a callable(model, version)")
         if weight_sync == "sglang-disk" and not weight_dir:
-            raise ValueError("weight_sync='sglang-disk' needs weight_dir, a directory the server can read")
+            raise ConfigError("weight_sync='sglang-disk' needs weight_dir, a directory the server can read")
         self.base_url = base_url.rstrip("/")
         self.model_name = model
         self.max_new_tokens = max_new_tokens
@@ -107,12 +108,12 @@ class OpenAICompatibleGenerator(Generator):
         """Record the stop tokens and push the policy's current weights (the server may hold older ones, e.g.
         from before an SFT warm start). ``share_weights`` does not apply: the server always has its own copy."""
         if self.weight_sync is None:
-            raise ValueError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
+            raise ConfigError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
                              "initial weights while the policy trains. Fix: weight_sync='sglang-disk' (with "
                              "weight_dir), a callable(model, version) that updates your server, or 'none' on purpose")
         self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
         if not self.stop_ids:
-            raise ValueError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
+            raise ConfigError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
         self.update_weights(policy, self.version)
 
     def update_weights(self, policy: nn.Module, version: int) -> None:
@@ -159,12 +160,21 @@ class OpenAICompatibleGenerator(Generator):
         token_ids = choice.get("token_ids")
         if token_ids is None:
             tokens = logprobs.get("tokens") or []
-            if not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            if not tokens and not choice.get("text"):
+                raise ServerError(f"choice {number}: the server returned no tokens (neither token_ids nor "
+                                  "logprobs.tokens). Fix: a vLLM or SGLang server that answers /v1/completions with "
+                                  "return_token_ids or return_tokens_as_token_ids")
+            if not tokens or not all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                shown = f"({tokens[:3]}...)" if tokens else f"(only text: {str(choice.get('text', ''))[:40]!r})"
                 raise ServerError(
-                    f"choice {number}: the server returned its tokens as text ({tokens[:3]}...), not as ids; "
+                    f"choice {number}: the server returned its tokens as text {shown}, not as ids; "
                     "re-tokenizing text can give other ids than the sampled ones. Fix: a vLLM that honours "
                     "return_token_ids or return_tokens_as_token_ids (or start it with --return-tokens-as-token-ids)")
             token_ids = [int(t.split(":", 1)[1]) for t in tokens]
+        if not token_ids and choice.get("text"):
+            raise ServerError(f"choice {number}: the server returned text ({str(choice['text'])[:40]!r}) but no "
+                              "token ids: the completion cannot be trained on the tokens that were sampled. Fix: a "
+                              "server that returns token ids (vLLM: --return-tokens-as-token-ids)")
         if token_logprobs is None or len(token_logprobs) != len(token_ids):
             raise ServerError(f"choice {number}: {len(token_ids)} tokens but "
                               f"{'no' if token_logprobs is None else len(token_logprobs)} token_logprobs; request "

@@ -54,6 +54,7 @@ from transformers import PreTrainedTokenizerBase
 from lightning_dta.contracts import ModelLimits, ParallelLayout
 from lightning_dta.core.advantages import check_advantage_estimator
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank
@@ -118,18 +119,18 @@ class OnlineRolloutSource:
                  ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None) -> None:
         if rollout_mode not in ("sync", "async"):
-            raise ValueError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
+            raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):
-            raise ValueError(f"placement={placement!r}; choose 'colocated', 'disaggregated' or None (the generator's)")
+            raise ConfigError(f"placement={placement!r}; choose 'colocated', 'disaggregated' or None (the generator's)")
         for name, value in (("prompts_per_step", prompts_per_step), ("samples_per_prompt", samples_per_prompt),
                             ("steps_per_epoch", steps_per_epoch)):
             if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+                raise ConfigError(f"{name}={value} must be >= 1")
         if generation_blocks is not None and not 1 <= generation_blocks <= prompts_per_step:
-            raise ValueError(f"generation_blocks={generation_blocks} must be between 1 and prompts_per_step="
+            raise ConfigError(f"generation_blocks={generation_blocks} must be between 1 and prompts_per_step="
                              f"{prompts_per_step} (or None: one block per rank)")
         if max_staleness < 0:
-            raise ValueError(f"max_staleness={max_staleness} must be >= 0")
+            raise ConfigError(f"max_staleness={max_staleness} must be >= 0")
         check_advantage_estimator(advantage_estimator)
         self.env = env
         self.generator = generator if generator is not None else HFGenerator()
@@ -187,7 +188,7 @@ class OnlineRolloutSource:
         if self._producer is not None:
             raise RuntimeError("load_state_dict() on a running async source; restore before attach()")
         if (state.get("seed"), state.get("prompts_per_step")) != (self.seed, self.prompts_per_step):
-            raise ValueError(f"the checkpoint's rollout source had seed={state.get('seed')} and prompts_per_step="
+            raise ConfigError(f"the checkpoint's rollout source had seed={state.get('seed')} and prompts_per_step="
                              f"{state.get('prompts_per_step')}, this one has seed={self.seed} and prompts_per_step="
                              f"{self.prompts_per_step}: the resumed run would draw other prompts. Fix: resume with "
                              "the same source settings")
@@ -212,13 +213,13 @@ class OnlineRolloutSource:
                                "source for a new run")
         self.tokenizer = self.resolve_tokenizer()
         if self.tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer {type(self.tokenizer).__name__} has no eos_token_id: generation could "
+            raise ConfigError(f"the tokenizer {type(self.tokenizer).__name__} has no eos_token_id: generation could "
                              "not stop and the policy could not learn to stop. Fix: set tokenizer.eos_token (or "
                              "pass stop_token_ids to the generator and an eos to the tokenizer)")
         # a user's model: not every nn.Module carries a Hugging Face config
         vocab = getattr(getattr(policy, "config", None), "vocab_size", None)
         if vocab is not None and len(self.tokenizer) > vocab:
-            raise ValueError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}; "
+            raise ConfigError(f"the tokenizer has {len(self.tokenizer)} tokens but the model's vocab_size is {vocab}; "
                              f"set the model's vocab_size to at least {len(self.tokenizer)}")
         if self.max_context is None:
             # a user's model: not every nn.Module carries a Hugging Face config
@@ -272,7 +273,7 @@ class OnlineRolloutSource:
         if self.policy is None:
             raise RuntimeError("update_policy() before attach()")
         if version < self._version:
-            raise ValueError(f"policy version {version} must not go back (the policy is at version {self._version}); "
+            raise ConfigError(f"policy version {version} must not go back (the policy is at version {self._version}); "
                              "pass the optimizer step count, e.g. trainer.global_step")
         start = time.perf_counter()
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from transformers import PreTrainedTokenizerFast
 
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.rl.environment import Action, Environment, Observation, StepResult
 from lightning_dta.rl.tokenizer import make_char_tokenizer
 
@@ -54,7 +55,7 @@ class ReverseDigits(Environment):
     def __init__(self, min_digits: int = 3, max_digits: int = 5, seed: int = 0,
                  reward_fn: RewardFn = position_match) -> None:
         if not 1 <= min_digits <= max_digits:
-            raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
+            raise ConfigError(f"need 1 <= min_digits <= max_digits, got {min_digits} and {max_digits}")
         self.min_digits, self.max_digits, self.seed = min_digits, max_digits, seed
         self.reward_fn = reward_fn
         self.answer: str | None = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from lightning_dta.core.errors import ConfigError
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3: the alphabet starts at id 4
 
@@ -23,10 +25,10 @@ def make_char_tokenizer(alphabet: str) -> PreTrainedTokenizerFast:
     the alphabet encode to ``<unk>`` (visible, not dropped); ``decode`` joins characters without spaces.
     """
     if not alphabet:
-        raise ValueError("the alphabet is empty; give the characters the task uses, e.g. '0123456789>'")
+        raise ConfigError("the alphabet is empty; give the characters the task uses, e.g. '0123456789>'")
     duplicates = sorted({c for c in alphabet if alphabet.count(c) > 1})
     if duplicates:
-        raise ValueError(f"the alphabet repeats {duplicates!r}; each character must appear once")
+        raise ConfigError(f"the alphabet repeats {duplicates!r}; each character must appear once")
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({char: len(SPECIAL_TOKENS) + i for i, char in enumerate(alphabet)})
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from lightning_dta.contracts import ParallelLayout
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
@@ -79,9 +80,9 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
     ``engine``: the :class:`~lightning_dta.EngineOptions` of the training and forward-only walks.
     """
     if steps < 0 or batch_size < 1:
-        raise ValueError(f"steps={steps} must be >= 0 and batch_size={batch_size} >= 1")
+        raise ConfigError(f"steps={steps} must be >= 0 and batch_size={batch_size} >= 1")
     if tokenizer.eos_token_id is None:
-        raise ValueError("the tokenizer has no eos_token_id; demonstrations must end with one so the policy learns "
+        raise ConfigError("the tokenizer has no eos_token_id; demonstrations must end with one so the policy learns "
                          "to stop")
     started = time.perf_counter()
     evaluation = [demonstration_rollout(env, tokenizer, DEMONSTRATION_OFFSET - 1 - k, add_bos)

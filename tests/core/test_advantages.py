@@ -113,3 +113,28 @@ def test_grpo_properties_any_order(groups, rng):
             assert std == pytest.approx(1.0, rel=1e-9)  # unit population std
         else:
             assert values == [0.0] * len(g)
+
+
+def _naive_grpo(rewards, eps=1e-6):
+    """The definition, computed as written (it overflows from about 1e154)."""
+    mean = math.fsum(rewards) / len(rewards)
+    std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
+    return [(r - mean) / (std + eps) for r in rewards]
+
+
+def test_group_centring_is_safe_for_any_finite_reward_and_bitwise_for_ordinary_ones():
+    ordinary = [0.25, 3.7, -1.2, 0.5]
+    rollouts = [Rollout(input_ids=[1, 2], reward=r, group_id=0) for r in ordinary]
+    assert [r.advantages for r in grpo_advantages(rollouts)] == _naive_grpo(ordinary)  # bitwise: a power-2 scale
+    for huge in ([1e200, -3e199, 5e199], [1.7e308, 1.0e308, -1.7e308]):
+        rollouts = [Rollout(input_ids=[1, 2], reward=r, group_id="g") for r in huge]
+        advantages = [r.advantages for r in grpo_advantages(rollouts)]
+        scaled = [r / max(abs(v) for v in huge) for r in huge]  # the same group in ordinary units
+        assert all(math.isfinite(a) for a in advantages), advantages
+        assert advantages == pytest.approx(_naive_grpo(scaled, eps=0.0), rel=1e-12, abs=1e-300)
+    tiny = grpo_advantages([Rollout(input_ids=[1, 2], reward=r, group_id="g") for r in (1e-320, 3e-320, 0.0)])
+    assert all(abs(r.advantages) < 1e-300 for r in tiny)  # eps (1e-6) outweighs a spread of 1e-320
+    baseline = reinforce_baseline_advantages([Rollout(input_ids=[1, 2], reward=r) for r in (1e300, -1e300)])
+    assert [r.advantages for r in baseline] == [1e300, -1e300]
+    with pytest.raises(RolloutError, match="field 'reward'.*overflows a float"):
+        reinforce_baseline_advantages([Rollout(input_ids=[1, 2], reward=r) for r in (1.7e308, -1.7e308, -1.7e308)])

@@ -128,3 +128,31 @@ def test_many_faults_are_counted_beyond_the_first_twenty(tmp_path):
         dta.read_rollouts(path)
     message = str(info.value)
     assert f"{path}:20:" in message and f"{path}:21:" not in message and message.endswith("... and 5 more")
+
+
+@pytest.mark.parametrize("group_id", [1.5, [1, 2], True, {"id": 1}])
+def test_a_group_id_is_a_string_or_an_int(group_id):
+    with pytest.raises(dta.RolloutError, match="field 'group_id': is .*, not a string or an int"):
+        dta.validate_rollouts([dta.Rollout(input_ids=[1, 2, 3], group_id=group_id)])
+    dta.validate_rollouts([dta.Rollout(input_ids=[1, 2, 3], group_id=g) for g in ("prompt-7", 7)])
+
+
+@pytest.mark.parametrize("reward", [True, "1", math.inf])
+def test_a_reward_is_a_finite_number_not_a_bool(reward):
+    with pytest.raises(dta.RolloutError, match="field 'reward': is .*, not a finite number"):
+        dta.validate_rollouts([dta.Rollout(input_ids=[1, 2, 3], reward=reward)])
+
+
+def test_a_utf8_bom_is_skipped_and_a_repeated_key_refused(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"input_ids": [1, 2, 3], "reward": 1.0}\n{"input_ids": [4, 5]}\n')
+    assert [r.input_ids for r in dta.read_rollouts(path)] == [[1, 2, 3], [4, 5]]
+    path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5], "reward": 1.0, "reward": 0.0}\n')
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout 1, field 'reward': is given twice"):
+        dta.read_rollouts(path)
+
+
+def test_faults_without_a_source_are_not_said_to_be_in_the_rollouts():
+    with pytest.raises(dta.RolloutFaults) as info:
+        dta.validate_rollouts([dta.Rollout(input_ids=[1]), dta.Rollout(input_ids=[2])])
+    assert str(info.value).startswith("2 faulty rollouts:\n"), str(info.value)

@@ -256,3 +256,27 @@ def test_cpu_flash_is_top_left_aligned_where_lengths_differ():
                                                                float("-inf")).softmax(-1), v)
     torch.testing.assert_close(cpu, top_left)
     assert (cpu - bottom_right).abs().max() > 0.1
+
+
+def test_mixed_precision_keeps_prefix_attention_and_its_gradient():
+    """Under bfloat16 autocast (``bf16-mixed``, and ``16-mixed``, which Lightning turns into it on a CPU) a Llama's
+    keys leave RoPE in float32 and its values the projection in bfloat16. The kernels used to get both dtypes, the
+    self-check failed ("expected scalar type Float but found BFloat16") and prefix attention fell back; the inputs
+    are now cast as the model's own attention (SDPA, an autocast op) casts them."""
+    import warnings
+
+    import lightning_dta as dta
+    from lightning_dta.engine.attention_check import KernelCheckWarning
+    from lightning_dta.engine.model_info import inspect_model
+    from tests.helpers.lightning import grpo_rollouts, tiny_llama
+
+    model, tree = tiny_llama(), dta.PrefixTree.from_rollouts(grpo_rollouts())
+    grads = {}
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error", KernelCheckWarning)
+        assert inspect_model(model, True, None, None).attention_backend is not None  # prefix attention is used
+        for prefix in (None, False):
+            model.zero_grad()
+            dta.tree_backward(model, tree, dta.PolicyLoss(), prefix_attention=prefix)
+            grads[prefix] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((grads[None] - grads[False]).norm() / grads[False].norm()) < 2e-2  # bfloat16 rounding

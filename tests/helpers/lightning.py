@@ -8,10 +8,11 @@ from __future__ import annotations
 import copy
 import os
 import random
+import signal
 from collections.abc import Callable, Sequence
 
 import torch
-from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_dta as dta
@@ -103,3 +104,14 @@ class StepBatchData(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(_Batches(self.make(self.trainer)), batch_size=None)
+
+
+class SignalAtStep(Callback):
+    """Send SIGTERM to this process once ``step`` optimizer steps are done (a scheduler stopping the job)."""
+
+    def __init__(self, step: int = 2) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)

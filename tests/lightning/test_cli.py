@@ -157,11 +157,13 @@ def test_gpu_config_instantiates_without_downloading(config: Path, monkeypatch: 
 
     monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", no_download)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    written = yaml.safe_load(config.read_text())
+    # a GPU config names the data set of the GPU machine; the data module checks that the file exists
+    data = [f"--data.path={REPO / 'data' / 'tiny_rollouts.jsonl'}"] if written["data"].get("path") else []
     parsed = cli.cli_main(["--config", str(config), "--trainer.accelerator=cpu", "--trainer.devices=1",
                            "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path}",
-                           f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
+                           f"--trainer.logger.init_args.save_dir={tmp_path}", *data], run=False)
     module = parsed.model
-    written = yaml.safe_load(config.read_text())
     assert isinstance(module, dta.DTAModule) and module.model is None
     assert module.hparams["model"].startswith("Qwen/Qwen3-")
     assert module.model_kwargs == written["model"]["model_kwargs"]

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from lightning_dta import PrefixTree, Rollout, RolloutError, read_rollouts, write_rollouts
 from lightning_dta.core.advantages import grpo_advantages
 from lightning_dta.core.batch import StepBatch
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.lightning.data import RolloutDataModule, make_step_batch
 from tests import helpers
 
@@ -123,7 +124,45 @@ def test_a_file_that_trains_on_less_than_it_seems_is_warned_about(tmp_path):
     messages = [str(w.message) for w in record]
     assert any("1 of 7 rollouts" in m and "train no token" in m for m in messages), messages
     assert any("last step" in m and "has 1 rollouts, not rollouts_per_step=3" in m for m in messages), messages
-    assert any("3 of 3 steps" in m and "every advantage 0" in m for m in messages), messages
+    assert any("3 of 3 steps" in m and "every advantage 0 (no advantage_estimator is set)" in m
+               and "Fix: set advantage_estimator" in m for m in messages), messages
+    # attributed to the rollout file and the first line concerned, not to the code that read it
+    assert {(w.filename, w.lineno) for w in record} == {(str(path), 4), (str(path), 7), (str(path), 1)}
+
+
+def test_a_group_of_one_is_warned_about_as_such(tmp_path):
+    rollouts = [*random_rollouts(3, seed=1, group_id="a"), *random_rollouts(1, seed=2, group_id="alone")]
+    path = tmp_path / "alone.jsonl"
+    write_rollouts(path, rollouts)
+    with pytest.warns(UserWarning) as record:
+        RolloutDataModule(path=path, advantage_estimator="grpo").setup()
+    (alone,) = [w for w in record if "single rollout" in str(w.message)]
+    assert "1 group(s)" in str(alone.message) and "'alone'" in str(alone.message)
+    assert "Fix: several rollouts per group_id" in str(alone.message)
+    assert (alone.filename, alone.lineno) == (str(path), 4)
+    assert not any("set advantage_estimator" in str(w.message) for w in record)  # it is set
+
+
+def test_a_step_with_only_groups_of_one_says_the_estimator_gave_zeros(tmp_path):
+    path = tmp_path / "singles.jsonl"
+    write_rollouts(path, [r for g in range(3) for r in random_rollouts(1, seed=g, group_id=g)])
+    with pytest.warns(UserWarning) as record:
+        RolloutDataModule(path=path, advantage_estimator="grpo").setup()
+    (flat,) = [str(w.message) for w in record if "every advantage 0" in str(w.message)]
+    assert "after advantage_estimator='grpo'" in flat and "Fix: groups of several rollouts" in flat, flat
+
+
+def test_a_missing_or_directory_path_is_refused_when_the_module_is_built(tmp_path):
+    with pytest.raises(ConfigError, match="data.path='.*missing.jsonl' does not exist. Fix: "):
+        RolloutDataModule(path=tmp_path / "missing.jsonl")
+    with pytest.raises(ConfigError, match="is a directory"):
+        RolloutDataModule(path=tmp_path)
+
+
+def test_the_cost_model_is_not_calibrated_unless_asked():
+    """Calibrated, the split follows measured times, so runs agree to about 1e-7, not bitwise (docs/lightning.md)."""
+    assert RolloutDataModule(path=TINY).calibrator is None
+    assert RolloutDataModule(path=TINY, calibrate_cost_model=True).calibrator is not None
 
 
 def test_missing_rewards_are_reported_with_their_step(tmp_path):
@@ -186,11 +225,29 @@ def test_grpo_is_computed_over_the_whole_group_even_when_it_is_split_across_rank
 def test_a_group_split_between_steps_is_refused(tmp_path):
     path = tmp_path / "groups.jsonl"
     write_rollouts(path, [r for g in range(4) for r in random_rollouts(3, seed=g, group_id=g)])
-    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 1 is split between "
-                                           "steps 0 and 1"):
+    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 1 is in step 0 \(its "
+                                           rf"first rollout, {path}:4\) and in step 1"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="grpo").setup()
     assert len(batches(RolloutDataModule(path=path, rollouts_per_step=4))) == 3  # own advantages: no problem
     assert len(batches(RolloutDataModule(path=path, rollouts_per_step=6, advantage_estimator="grpo"))) == 2
+
+
+def test_a_group_whose_lines_are_apart_is_refused_when_they_fall_in_two_steps(tmp_path):
+    """Two lines swapped across the step cut: before, each moved rollout was a group of one (advantage 0) and the
+    rest was normalised over 3 instead of 4, without a word. Within one step the lines may be anywhere."""
+    groups = [random_rollouts(4, seed=g, group_id=g) for g in range(4)]
+    swapped = [r for group in groups for r in group]
+    swapped[3], swapped[4] = swapped[4], swapped[3]
+    path = tmp_path / "swapped.jsonl"
+    write_rollouts(path, swapped)
+    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 0 is in step 0 \(its "
+                                           rf"first rollout, {path}:1\) and in step 1"):
+        RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="grpo").setup()
+    interleaved = [groups[g % 2][g // 2] for g in range(8)] + [r for group in groups[2:] for r in group]
+    write_rollouts(path, interleaved)  # groups 0 and 1 alternate within step 0: whole, so accepted
+    first = batches(RolloutDataModule(path=path, rollouts_per_step=8, advantage_estimator="grpo"))[0]
+    want = {tuple(r.input_ids): r.advantages for r in grpo_advantages(groups[0] + groups[1])}
+    assert {tuple(r.input_ids): r.advantages for r in first.rollouts} == want
 
 
 def test_shuffle_is_seeded_identical_on_every_rank_and_new_each_epoch(tmp_path):

@@ -11,8 +11,8 @@ a per-rank normaliser or clipping before the sum each change gradients by 10% or
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +22,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import lightning_dta as dta
 from lightning_dta.distributed.collectives import all_gather_floats, all_reduce_sum, broadcast_module, sum_gradients
+from lightning_dta.distributed.step import step_totals
 from tests import helpers
-from tests.helpers.lightning import clean_env
+from tests.helpers import free_port
+from tests.helpers.lightning import clean_env, grpo_rollouts
 
 RTOL, ATOL = 1e-5, 1e-6
 
@@ -77,12 +80,6 @@ def test_ppo_with_a_critic_on_two_ranks_matches_one(tmp_path: Path) -> None:
             torch.testing.assert_close(rank["critic"][name], weight, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _collectives(rank: int, world: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -98,8 +95,12 @@ def _collectives(rank: int, world: int, port: int, out: str) -> None:
         model[2].weight.grad = torch.full_like(model[2].weight, 0.5 * (rank + 1))
         # model[1] has no gradient on any rank: it must stay None, as on one process
         sum_gradients(model.parameters(), bucket_mb=1e-5)
+        # reference log-probs on rank 1 only: the step carries them (a rank's share without any is no refusal)
+        shares = [dataclasses.replace(r, ref_logprobs=None) if rank == 0 else r for r in grpo_rollouts(rank)[:3]]
+        totals = step_totals(dta.PrefixTree.from_rollouts(shares), dta.PolicyLoss(kl_coef=0.1), "cpu")
         torch.save({"state": model.state_dict(), "grads": {n: p.grad for n, p in model.named_parameters()},
-                    "sum": all_reduce_sum([rank, 0.5], "cpu"), "gather": all_gather_floats([rank * 2.0], "cpu")},
+                    "sum": all_reduce_sum([rank, 0.5], "cpu"), "gather": all_gather_floats([rank * 2.0], "cpu"),
+                    "totals": totals},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -120,6 +121,7 @@ def test_collectives_two_ranks(tmp_path: Path) -> None:
                                                                                                    dtype=torch.float64))
     assert r0["sum"] == r1["sum"] == [1.0, 1.0]
     assert r0["gather"] == r1["gather"] == [[0.0], [2.0]]
+    assert r0["totals"][1] == r1["totals"][1] == [3.0]  # rollouts of the step with ref_logprobs, over both ranks
 
 
 def test_collectives_are_noops_on_one_process() -> None:

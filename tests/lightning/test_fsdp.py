@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_dta.core.errors import ConfigError
 from tests import helpers
 from tests.helpers.lightning import StepBatchData, clean_env, grpo_rollouts, rank_batch, tiny_llama
 
@@ -164,11 +165,11 @@ def test_registered_and_refusals(tmp_path: Path) -> None:
                             default_root_dir=tmp_path)
         trainer.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
 
-    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+    with pytest.raises(ConfigError, match="automatic_optimization = False"):
         fit(Automatic())
     # fp16 loss scaling: Lightning turns 16-mixed into bf16-mixed on a CPU, so the check is called directly
     strategy = dta.DTAFSDPStrategy()
     strategy._lightning_module = dta.DTAModule(tiny_llama())
     strategy.precision_plugin = type("Fp16", (), {"precision": "16-mixed"})()
-    with pytest.raises(RuntimeError, match="16-mixed"):
+    with pytest.raises(ConfigError, match="16-mixed"):
         strategy.setup(None)

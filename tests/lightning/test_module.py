@@ -16,6 +16,7 @@ from lightning.pytorch.loggers import CSVLogger
 from transformers import LlamaForCausalLM
 
 import lightning_dta as dta
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.lightning.data import RolloutDataModule
 from lightning_dta.lightning.module import build_causal_lm
 from tests import helpers
@@ -107,7 +108,8 @@ def _resume_run(tmp_path: Path, data, max_steps: int, ckpt: Path | None = None, 
     module = dta.DTAModule(config, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
                            lr_scheduler=functools.partial(torch.optim.lr_scheduler.LinearLR, start_factor=0.1,
                                                           total_iters=4), gradient_clip_val=1.0,
-                           loss=dta.PolicyLoss(**LOSS))
+                           # the rollout file carries no reference log-probs: a KL term is refused on it
+                           loss=dta.PolicyLoss(**LOSS) if data is _epoch_batches else dta.PolicyLoss())
     fit = trainer(tmp_path, max_steps, reload_dataloaders_every_n_epochs=1)
     fit.fit(module, data(), ckpt_path=ckpt)
     if save is not None:
@@ -200,3 +202,57 @@ def test_a_skipped_step_does_not_step_the_schedule(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="batch 1 skipped on every rank"):
         fit.fit(module, data)
     assert fit.global_step == 2 and module.lr_schedulers().last_epoch == 2
+
+
+def test_clipping_optimizer_and_model_settings_are_refused_when_the_module_is_built() -> None:
+    """A negative gradient_clip_val used to be skipped by Lightning's clipping and to flip the critic's gradient in
+    torch's clip_grad_norm_; a negative learning rate surfaced only at setup, as a traceback."""
+    for value in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="model.gradient_clip_val=.*Fix: "):
+            dta.DTAModule(TINY_LLAMA, gradient_clip_val=value)
+    with pytest.raises(ConfigError, match="gradient_clip_algorithm='max'"):
+        dta.DTAModule(TINY_LLAMA, gradient_clip_algorithm="max")
+    with pytest.raises(ConfigError, match="model.optimizer refuses its settings: Invalid learning rate: -1.0"):
+        dta.DTAModule(TINY_LLAMA, optimizer=functools.partial(torch.optim.AdamW, lr=-1.0))
+    with pytest.raises(ConfigError, match="SGD has a learning rate of nan"):  # SGD itself lets NaN through
+        dta.DTAModule(TINY_LLAMA, optimizer=functools.partial(torch.optim.SGD, lr=float("nan")))
+    with pytest.raises(ConfigError, match="model.critic.optimizer refuses its settings"):
+        dta.PPOCritic(TINY_LLAMA, optimizer=functools.partial(torch.optim.AdamW, betas=(1.5, 0.9)))
+    with pytest.raises(ConfigError, match="model.model.model_type='nosuch'"):
+        dta.DTAModule({**TINY_LLAMA, "model_type": "nosuch"})
+
+    def by_name(parameters):  # a factory of the user's that needs the model's own parameters
+        named = list(parameters)
+        return torch.optim.SGD([{"params": named[:1], "lr": 0.1}, {"params": named[1:], "lr": 0.01}])
+
+    module = dta.DTAModule(TINY_LLAMA, optimizer=by_name, gradient_clip_val=0.0)  # 0: no clipping
+    module.configure_model()
+    assert len(module.configure_optimizers().param_groups) == 2
+
+
+def test_64_true_trains_in_float64_with_the_hand_written_step(tmp_path: Path) -> None:
+    """--trainer.precision=64-true used to fail at the first step (the gradient norm asked float32 of float64)."""
+    rollouts = grpo_rollouts()
+    module = dta.DTAModule(tiny_llama(), loss=dta.PolicyLoss(**LOSS), gradient_clip_val=0.5,
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    want = reference_step(tiny_llama().double(), rollouts, LOSS, lr=0.1, clip=0.5)
+    trainer(tmp_path, 1, precision="64-true").fit(module, StepBatchData(lambda t: [rank_batch(rollouts, 0, 1)]))
+    for name, weight in module.model.named_parameters():
+        assert weight.dtype == torch.float64, name
+        torch.testing.assert_close(weight.detach(), want["weights"][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_16_mixed_on_the_cpu_trains_with_prefix_attention(tmp_path: Path) -> None:
+    """Lightning turns 16-mixed into bf16-mixed on a CPU; the kernels' self-check used to fail on the mixed dtypes
+    of autocast and fall back to the model's attention (a KernelCheckWarning)."""
+    import warnings
+
+    from lightning_dta.engine.attention_check import KernelCheckWarning
+
+    module = dta.DTAModule(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelCheckWarning)
+        fit = trainer(tmp_path, 1, precision="16-mixed")
+        assert fit.precision == "bf16-mixed"
+        fit.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
+    assert fit.global_step == 1

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dta as dta
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.distributed.step import batch_tree, step_normalizer
 from lightning_dta.lightning.step import check_dfs_setup
 from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
@@ -54,7 +55,7 @@ class AutomaticModule(L.LightningModule):
 def test_automatic_optimization_is_refused(tmp_path: Path) -> None:
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
-    with pytest.raises(RuntimeError, match="automatic_optimization = False"):
+    with pytest.raises(ConfigError, match="automatic_optimization = False"):
         trainer.fit(AutomaticModule(), torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2))
 
 
@@ -62,11 +63,11 @@ def test_step_refuses_a_wrapped_module_and_loss_scaling() -> None:
     module = SimpleNamespace(automatic_optimization=False)
     wrapped = SimpleNamespace(model=torch.nn.Identity(), lightning_module=module,
                               precision_plugin=SimpleNamespace(precision="32-true"))
-    with pytest.raises(RuntimeError, match="strategy='dta'"):
+    with pytest.raises(ConfigError, match="strategy='dta'"):
         check_dfs_setup(wrapped)
     scaled = SimpleNamespace(model=module, lightning_module=module,
                              precision_plugin=SimpleNamespace(precision="bf16-mixed", scaler=object()))
-    with pytest.raises(RuntimeError, match="16-mixed"):
+    with pytest.raises(ConfigError, match="16-mixed"):
         check_dfs_setup(scaled)
     check_dfs_setup(SimpleNamespace(model=module, lightning_module=module,
                                     precision_plugin=SimpleNamespace(precision="32-true", scaler=None)))
@@ -84,3 +85,21 @@ def test_batch_tree_and_normalizer() -> None:
     assert step_normalizer(batch.tree, dta.PolicyLoss(agg="seq-mean-token-mean")) == len(rollouts)
     # "sum" has no normaliser: summing a 1 per rank would scale an N-rank gradient by 1/N
     assert step_normalizer(batch.tree, dta.PolicyLoss(agg="sum")) == 1.0
+
+
+def test_a_step_that_asks_for_kl_without_any_reference_logprobs_is_refused() -> None:
+    """kl_coef > 0 and no ref_logprobs anywhere in the step used to train without the KL term, in silence."""
+    import dataclasses
+
+    from lightning_dta.distributed.step import tree_step_backward
+
+    model, rollouts = tiny_llama(), grpo_rollouts()
+    without = [dataclasses.replace(r, ref_logprobs=None) for r in rollouts]
+    for agg in ("token-mean", "sum"):
+        with pytest.raises(ConfigError, match="no rollout of this step carries ref_logprobs.*kl_coef"):
+            tree_step_backward(model, dta.PrefixTree.from_rollouts(without), dta.PolicyLoss(kl_coef=0.1, agg=agg))
+    model.zero_grad()
+    tree_step_backward(model, dta.PrefixTree.from_rollouts(without), dta.PolicyLoss())  # no KL asked: fine
+    partly = without[:-1] + rollouts[-1:]  # the KL applies where reference log-probs are given
+    out = tree_step_backward(model, dta.PrefixTree.from_rollouts(partly), dta.PolicyLoss(kl_coef=0.1))
+    assert out.metrics["ref_kl"] > 0

@@ -23,7 +23,7 @@ from lightning_dta.engine import EngineOptions
 from lightning_dta.engine.activation_budget import measure_rates
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.plan import ModelShape, TrainingState, plan_step, probe_rates
-from lightning_dta.plan.cli import main, parse_bytes
+from lightning_dta.plan.cli import gib, main, parse_bytes
 from lightning_dta.plan.flops import speedup_limit
 from lightning_dta.plan.predict import HEADROOM, fitting_options
 from lightning_dta.shapes.models import build_model
@@ -160,6 +160,7 @@ def test_parse_bytes() -> None:
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30
     assert parse_bytes("1.5e9") == 1_500_000_000
+    assert parse_bytes("1E3") == parse_bytes("1e3") == parse_bytes("1e+3") == 1000
     with pytest.raises(ValueError, match="80GB"):
         parse_bytes("80 parsecs")
 
@@ -190,7 +191,8 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys) -> None:
     assert main(["--memory", "lots"]) == 2
     assert "80GB" in capsys.readouterr().err
     assert main(["--memory", "0"]) == 2 and "at least one byte" in capsys.readouterr().err
-    assert main(["--memory", "1e400GB"]) == 2 and "at least one byte" in capsys.readouterr().err
+    assert main(["--memory", "1e400GB"]) == 2 and "at most 2**63 bytes" in capsys.readouterr().err
+    assert main(["--memory", "1e30"]) == 2 and "more than any accelerator holds" in capsys.readouterr().err
     assert main(["--rollouts", str(tmp_path)]) == 2 and str(tmp_path) in capsys.readouterr().err
     assert main(["--recompute-chunk", "0"]) == 2 and "--recompute-chunk" in capsys.readouterr().err
     (tmp_path / "broken").mkdir()
@@ -213,3 +215,46 @@ def test_the_readme_plan_command_runs_as_printed(capsys) -> None:
     for command in commands:
         assert main(shlex.split(command)) == 0
         assert "engine options that fit" in capsys.readouterr().out
+
+
+def test_sizes_print_in_a_unit_that_shows_them() -> None:
+    assert (gib(1000), gib(2048), gib(3 * 2**20), gib(5 * 2**30)) == ("1000 B", "2.0 KiB", "3.0 MiB", "5.00 GiB")
+
+
+def _small_model(tmp_path, **shape):
+    config = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64) | shape
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path / "config.json")
+
+
+def test_rollouts_a_model_cannot_take_are_named_by_line_before_the_split(tmp_path, capsys) -> None:
+    from tests.helpers import REPO
+
+    rollouts = REPO / "data" / "tiny_rollouts.jsonl"  # vocabulary 256: too large for a 100-token model
+    assert main(["--model", _small_model(tmp_path), "--rollouts", str(rollouts), "--devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"faulty rollouts in {rollouts}:" in err and f"{rollouts}:1: rollout 0, field 'input_ids'" in err, err
+
+
+def test_the_default_workload_that_does_not_fit_says_so(tmp_path, capsys) -> None:
+    assert main(["--model", _small_model(tmp_path)]) == 2  # 64 positions: the agent workload's rollouts are longer
+    err = capsys.readouterr().err
+    assert "the workload agent (the default step) does not fit" in err and "in the rollouts" not in err, err
+    assert "Fix: another workload (--workload" in err and "--rollouts FILE" in err, err
+
+
+def test_an_invalid_model_shape_is_exit_2(tmp_path, capsys) -> None:
+    assert main(["--model", _small_model(tmp_path, hidden_size=63)]) == 2
+    err = capsys.readouterr().err
+    assert "hidden size (63) is not a multiple" in err and "Traceback" not in err, err
+
+
+def test_more_ranks_than_rollouts_is_noted_and_the_advice_fits_the_strategy(capsys) -> None:
+    assert main(["--workload", "grpo", "--devices", "100", "--memory", "1000"]) == 0
+    out, err = capsys.readouterr()
+    assert "16 rollouts over --devices 100: 84 ranks have nothing to train" in err, err
+    assert "fit 1000 B per rank" in out and "Shard the state (--strategy dta_fsdp)" in out, out
+    assert main(["--workload", "grpo", "--strategy", "dta_fsdp", "--devices", "2", "--memory", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "none:" in out and "--strategy dta_fsdp" not in out.split("none:")[1], out

@@ -104,3 +104,17 @@ def test_transient_failures_are_retried_with_backoff_then_stop_with_the_servers_
         with pytest.raises(ServerError, match="HTTP 400"):
             generator.generate([[1, 4]], seed=0)
     assert len(server.requests) == 1
+
+
+def test_a_choice_without_token_ids_is_refused_whatever_else_it_holds():
+    """Text without any token: refused as tokens-as-text (``all([])`` used to let it through as 0 tokens); empty
+    token lists beside text: refused, not an empty completion; nothing at all: refused as no tokens."""
+    generator = OpenAICompatibleGenerator("http://x", "tiny", weight_sync="none")
+    with pytest.raises(ServerError, match="returned its tokens as text \\(only text: 'hello'\\)"):
+        generator._parse_choice({"text": "hello", "logprobs": {"token_logprobs": [-0.5]}}, 0)
+    with pytest.raises(ServerError, match="returned text \\('hello'\\) but no token ids"):
+        generator._parse_choice({"text": "hello", "token_ids": [], "logprobs": {"token_logprobs": []}}, 0)
+    with pytest.raises(ServerError, match="returned no tokens"):
+        generator._parse_choice({"text": "", "logprobs": {}}, 0)
+    empty = generator._parse_choice({"text": "", "token_ids": [], "logprobs": {"token_logprobs": []}}, 0)
+    assert empty.token_ids == []  # an empty completion with no text is what it says

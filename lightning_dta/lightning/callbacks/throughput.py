@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from lightning_dta.contracts import parallel_layout
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.distributed.collectives import all_gather_floats, synchronize
 from lightning_dta.distributed.step import batch_tree
 
@@ -37,7 +38,7 @@ class TreeThroughputMonitor(Callback):
 
     def __init__(self, window_size: int = 20, prog_bar: bool = True) -> None:
         if window_size < 1:
-            raise ValueError(f"window_size must be >= 1, got {window_size}")
+            raise ConfigError(f"window_size must be >= 1, got {window_size}")
         self.window_size = window_size
         self.prog_bar = prog_bar
         self._start: float | None = None

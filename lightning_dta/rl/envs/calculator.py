@@ -21,6 +21,7 @@ import re
 
 from transformers import PreTrainedTokenizerFast
 
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.rl.environment import Action, Environment, Observation, StepResult
 from lightning_dta.rl.tasks import RewardFn, exact_match
 from lightning_dta.rl.tokenizer import make_char_tokenizer
@@ -56,7 +57,7 @@ class CalculatorEnv(Environment):
     def __init__(self, max_turns: int = 3, low: int = 10, high: int = 99, operators: str = "+*", seed: int = 0,
                  reward_fn: RewardFn = exact_match) -> None:
         if max_turns < 1 or low > high or not operators or set(operators) - set("+-*"):
-            raise ValueError("need max_turns >= 1, low <= high and operators made of '+', '-', '*'")
+            raise ConfigError("need max_turns >= 1, low <= high and operators made of '+', '-', '*'")
         self.max_turns, self.low, self.high, self.operators, self.seed = max_turns, low, high, operators, seed
         self.reward_fn = reward_fn
         self.question: tuple[int, str, int] | None = None

@@ -1,0 +1,141 @@
+"""Every bad setting of ``lightning-dta fit`` is one message and exit status 2: what, where (the setting) and the fix,
+without a traceback; ``--traceback`` (or ``LIGHTNING_DTA_TRACEBACK=1``) shows it. The table covers every setting of
+finding 7 of issue 21 and the module's, engine's, data module's, source's and strategy's own checks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_dta import cli
+from tests import helpers
+from tests.helpers.lightning import clean_env
+from tests.helpers.online import small_config
+from tests.helpers.server import FakeServer
+
+REPO = helpers.REPO
+BASE = ["fit", "--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--trainer.logger=false",
+        "--trainer.max_steps=1", "--trainer.enable_progress_bar=false"]
+LINES = (REPO / "data" / "tiny_rollouts.jsonl").read_text().splitlines()
+
+
+def rollout_file(tmp_path: Path, name: str, edit) -> str:
+    """The tiny rollout file with ``edit(records)`` applied (records: one dict per line)."""
+    records = [json.loads(line) for line in LINES]
+    edit(records)
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def set_field(index: int, field: str, value):
+    def edit(records):
+        records[index][field] = value
+    return edit
+
+
+def swap(a: int, b: int):
+    def edit(records):
+        records[a], records[b] = records[b], records[a]
+    return edit
+
+
+# (id, overrides, what the message must name); a callable override gets tmp_path.
+CASES = [
+    ("data.path missing", ["--data.path=/nonexistent/rollouts.jsonl"], ["data.path", "does not exist"]),
+    ("data.path a directory", [f"--data.path={REPO / 'data'}"], ["data.path", "is a directory"]),
+    ("group_id a list", [lambda t: f"--data.path={rollout_file(t, 'list', set_field(3, 'group_id', [1, 2]))}"],
+     ["list.jsonl:4", "group_id", "not a string or an int"]),
+    ("group_id 1.5", [lambda t: f"--data.path={rollout_file(t, 'float', set_field(3, 'group_id', 1.5))}"],
+     ["float.jsonl:4", "group_id"]),
+    ("reward true", [lambda t: f"--data.path={rollout_file(t, 'bool', set_field(5, 'reward', True))}"],
+     ["bool.jsonl:6", "reward", "not a finite number"]),
+    ("a group in two steps", [lambda t: f"--data.path={rollout_file(t, 'swapped', swap(15, 16))}"],
+     ["swapped.jsonl:17", "swapped.jsonl:13", "group_id", "in step 0", "in step 1"]),
+    ("optimizer lr -1", ["--model.optimizer.init_args.lr=-1"], ["model.optimizer", "learning rate"]),
+    ("devices 0", ["--trainer.devices=0"], ["trainer.devices=0"]),
+    ("devices -3", ["--trainer.devices=-3"], ["trainer.devices=-3"]),
+    ("chunk_size 0", ["--model.engine.chunk_size=0"], ["chunk_size=0"]),
+    ("sibling_batch_tokens -5", ["--model.engine.sibling_batch_tokens=-5"], ["sibling_batch_tokens=-5"]),
+    ("rollouts_per_step 0", ["--data.rollouts_per_step=0"], ["rollouts_per_step=0"]),
+    ("advantage_estimator unknown", ["--data.advantage_estimator=nosuch"], ["advantage_estimator='nosuch'"]),
+    ("partition_method unknown", ["--data.partition_method=nosuch"], ["partition_method='nosuch'"]),
+    ("clip_eps -0.2", ["--model.loss.clip_eps=-0.2"], ["clip_eps=-0.2"]),
+    ("bucket_mb -5", ["--trainer.strategy=lightning_dta.DTAStrategy", "--trainer.strategy.bucket_mb=-5"],
+     ["bucket_mb=-5"]),
+    ("signal_grace_sec 0", ["--trainer.strategy=lightning_dta.DTAStrategy", "--trainer.strategy.signal_grace_sec=0"],
+     ["signal_grace_sec=0"]),
+    ("strategy unknown", ["--trainer.strategy=nosuch"], ["trainer.strategy='nosuch'", "dta_fsdp"]),
+    ("model_type unknown", ["--model.model.model_type=nosuch"], ["model.model.model_type='nosuch'"]),
+    ("hidden 63 over 4 heads", ["--model.model.hidden_size=63"], ["model.model", "hidden size (63)"]),
+    ("gradient_clip_val -1", ["--model.gradient_clip_val=-1"], ["gradient_clip_val=-1"]),
+    ("gradient_clip_algorithm unknown", ["--model.gradient_clip_algorithm=nosuch"],
+     ["gradient_clip_algorithm='nosuch'"]),
+    ("max_nonfinite_skips 0", ["--model.max_nonfinite_skips=0"], ["max_nonfinite_skips=0"]),
+    ("kl_coef without ref_logprobs", ["--model.loss.kl_coef=0.1"], ["kl_coef", "ref_logprobs"]),
+]
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["lightning-dta"])
+    monkeypatch.delenv(cli.TRACEBACK, raising=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_bad_setting_is_one_message_and_exit_2(case, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    _, overrides, named = case
+    args = [o(tmp_path) if callable(o) else o for o in overrides]
+    assert cli.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    assert err.startswith("lightning-dta fit: error: ") and "Fix: " in err, err
+    for name in named:
+        assert name in err, (name, err)
+
+
+@pytest.mark.slow
+def test_a_server_error_is_one_message_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with FakeServer(failures=10**6, failure_code=422) as server:  # HTTP 422: a request the server refuses
+        status = cli.main(["fit", "--config", str(small_config(tmp_path)), "--trainer.devices=1",
+                           "--trainer.max_steps=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false",
+                           "--data.source.init_args.generator.class_path=lightning_dta.rl.OpenAICompatibleGenerator",
+                           f"--data.source.init_args.generator.init_args.base_url={server.url}",
+                           "--data.source.init_args.generator.init_args.model=toy",
+                           "--data.source.init_args.generator.init_args.weight_sync=none"])
+    err = capsys.readouterr().err
+    assert status == 2 and "Traceback" not in err, err
+    assert "lightning-dta fit: error: POST " in err and "HTTP 422: server overloaded" in err, err
+
+
+def test_traceback_shows_the_traceback_of_bad_input(monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--traceback", *BASE, "--model.engine.chunk_size=0"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "engine/options.py" in err and "chunk_size=0" in err, err
+    monkeypatch.setenv(cli.TRACEBACK, "1")
+    assert cli.main([*BASE, "--data.rollouts_per_step=0"]) == 2
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(cli, "cli_main", broken)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(BASE)
+
+
+@pytest.mark.slow
+def test_the_installed_command_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    """The console script itself (not ``main`` in this process): the exit status the shell sees."""
+    proc = subprocess.run([str(Path(sys.executable).parent / "lightning-dta"), *BASE, "--trainer.devices=0"],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "trainer.devices=0" in proc.stderr
