@@ -56,7 +56,7 @@ class StepOutput:
 
     loss: float
     metrics: dict[str, float]
-    normalizer: float
+    normalizer: tuple[float, ...]
     local: TreeBackwardOutput | None = field(default=None, repr=False)
     rank_seconds: list[float] = field(default_factory=list)
     grad_norm: float | None = None
@@ -79,15 +79,11 @@ def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
 
 
 def step_normalizer(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
-                    layout: ParallelLayout | None = None) -> float:
-    """The loss normaliser of the whole step: this rank's share summed over the data-parallel ranks (one collective).
-
-    ``agg="sum"`` has no normaliser (1 on every rank, and not a count), so there is nothing to sum.
-    """
-    if loss_fn.agg == "sum":
-        return 1.0
-    local = 0.0 if tree is None else tree_loss_normalizer(tree, loss_fn)
-    return all_reduce_sum([local], device, group=(layout or ParallelLayout()).data_parallel_group)[0]
+                    layout: ParallelLayout | None = None) -> tuple[float, ...]:
+    """The loss normalisers of the whole step: this rank's counts summed elementwise over the data-parallel ranks
+    (one collective). A rank without a tree adds zeros (it asks the objective for the counts of no rollouts)."""
+    local = loss_fn.normalizer([]) if tree is None else tree_loss_normalizer(tree, loss_fn)
+    return tuple(all_reduce_sum(list(local), device, group=(layout or ParallelLayout()).data_parallel_group))
 
 
 def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objective | None = None, *,
