@@ -91,7 +91,7 @@ def _centered(rewards: Sequence[float], groups: dict[Hashable, list[int]], scale
     sets = {"group": list(groups.values()), "step": [everyone]}
     means, stds = [0.0] * len(rewards), [1.0] * len(rewards)
     silent = set()  # rollouts whose centring set has no signal: exactly 0, whatever eps and rounding
-    for members in sets[mean_over]:
+    for members in sets.get(mean_over, []):
         values = [rewards[i] for i in members]
         if min(values) == max(values):
             silent.update(members)
@@ -112,7 +112,7 @@ def _trained_tokens(rollout: Rollout) -> float:
 
 def grpo_advantages(rollouts: Sequence[Rollout], scale_by_std: bool = True, eps: float = 1e-6, *,
                     std_unbiased: bool = False, std_over: Literal["group", "step"] = "group",
-                    mean_over: Literal["group", "step"] = "group",
+                    mean_over: Literal["group", "step"] | None = "group",
                     weighting: Literal["rollout", "token"] = "rollout") -> list[Rollout]:
     """GRPO: each reward minus its group's mean, divided by the group's std (+ ``eps``) when ``scale_by_std``.
 
@@ -124,17 +124,20 @@ def grpo_advantages(rollouts: Sequence[Rollout], scale_by_std: bool = True, eps:
         std_unbiased: divide the variance by ``n - 1`` (TRL, verl, AReaL) instead of ``n``.
         std_over: ``"group"``, or ``"step"``: one std over the whole step's rewards around the step's mean (TRL's
             ``scale_rewards="batch"``).
-        mean_over: ``"group"``, or ``"step"``: the whole step's mean as the baseline (AReaL's
-            ``mean_level: batch``).
+        mean_over: ``"group"``, ``"step"`` (the whole step's mean as the baseline: AReaL's ``mean_level: batch``)
+            or ``None`` (no baseline, no scaling: the reward itself, AReaL without ``adv_norm``).
         weighting: ``"rollout"``, or ``"token"``: each rollout counts once per trained token in the means and the
             std (AReaL's ``adv_norm`` over per-token advantages).
     """
     if eps < 0:
         raise ValueError(f"eps={eps} must be >= 0")
     for name, value, allowed in (("std_over", std_over, ("group", "step")), ("mean_over", mean_over,
-                                 ("group", "step")), ("weighting", weighting, ("rollout", "token"))):
+                                 ("group", "step", None)), ("weighting", weighting, ("rollout", "token"))):
         if value not in allowed:
             raise ValueError(f"{name}={value!r}; choose one of {allowed}")
+    if mean_over is None and scale_by_std:
+        raise ValueError("mean_over=None (the reward itself) scales by nothing. Fix: scale_by_std=False, or a "
+                         "mean_over")
     rewards = _rewards(rollouts)
     if mean_over == "group" or (scale_by_std and std_over == "group"):
         for index, rollout in enumerate(rollouts):

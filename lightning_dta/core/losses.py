@@ -150,7 +150,7 @@ class Rejection:
     level: RejectionLevel = "token"
     """token: each token's own statistic; sequence-sum / sequence-mean / sequence-max: the rollout's sum / mean /
     max of it over its trained tokens, which keeps or rejects the whole rollout (for ratio, the sum is the log of
-    the product of the token weights and the mean that of their geometric mean; max only for k2/k3)."""
+    the product of the token weights, the mean that of their geometric mean, the max their largest)."""
     lower: float | None = None
     """ratio only: the smallest weight kept (null: no lower bound)."""
     upper: float | None = None
@@ -170,9 +170,6 @@ class Rejection:
                 raise ValueError("Rejection(metric='ratio') needs lower, upper or both")
             if self.lower is not None and self.upper is not None and self.lower > self.upper:
                 raise ValueError(f"Rejection.lower={self.lower} must be <= upper={self.upper}")
-            if self.level == "sequence-max":
-                raise ValueError("Rejection(metric='ratio') has no sequence-max level (the rollout's largest "
-                                 "token weight); use level='token' with the same bounds, or metric k2/k3")
         elif self.upper is None or self.lower is not None:
             raise ValueError(f"Rejection(metric={self.metric!r}) takes an upper bound only (got lower={self.lower}, "
                              f"upper={self.upper})")

@@ -57,13 +57,14 @@ class FileSteps:
     """
 
     def __init__(self, path: str | Path, rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
-                 shuffle: bool = False, seed: int = 0) -> None:
+                 shuffle: bool = False, seed: int = 0, advantage_options: dict[str, Any] | None = None) -> None:
         if rollouts_per_step is not None and rollouts_per_step < 1:
             raise ValueError(f"rollouts_per_step={rollouts_per_step} must be >= 1 (or None: one step per file)")
-        check_advantage_estimator(advantage_estimator)
+        check_advantage_estimator(advantage_estimator, advantage_options)
         self.path = Path(path)
         self.rollouts_per_step = rollouts_per_step
         self.advantage_estimator = advantage_estimator
+        self.advantage_options = advantage_options
         self.shuffle, self.seed = shuffle, seed
         self._steps: list[list[Rollout]] | None = None
         self._lines: list[int] = []  # the file's line of each rollout, for errors
@@ -88,7 +89,8 @@ class FileSteps:
         for number, start in enumerate(range(0, len(rollouts), size)):
             step = rollouts[start:start + size]
             try:
-                steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
+                # once, and errors surface now
+                steps.append(estimate_advantages(step, self.advantage_estimator, self.advantage_options))
             except RolloutError as fault:  # the index counts within the step: name the file's rollout and line
                 index = start + (fault.index or 0)
                 raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
@@ -138,10 +140,12 @@ class IterableSteps:
     once: one epoch. Each step is validated and its advantages estimated when it arrives. A resumed run reads the
     epoch again from its start and skips the trained steps."""
 
-    def __init__(self, source: StepIterable, advantage_estimator: str | None = None) -> None:
-        check_advantage_estimator(advantage_estimator)
+    def __init__(self, source: StepIterable, advantage_estimator: str | None = None,
+                 advantage_options: dict[str, Any] | None = None) -> None:
+        check_advantage_estimator(advantage_estimator, advantage_options)
         self.source = source
         self.advantage_estimator = advantage_estimator
+        self.advantage_options = advantage_options
 
     def __len__(self) -> int:
         if not isinstance(self.source, Sized):  # Lightning's sized_len treats TypeError as "no length"
@@ -156,7 +160,7 @@ class IterableSteps:
             if number < start:
                 continue
             with located(label):
-                yield label, estimate_advantages(step, self.advantage_estimator)
+                yield label, estimate_advantages(step, self.advantage_estimator, self.advantage_options)
 
     def prepare_batch(self, batch: StepBatch) -> None:
         """Nothing to add."""

@@ -257,7 +257,6 @@ def test_tree_logprobs_score_the_tempered_policy(models):
     (dict(rejection=({"metric": "k2", "lower": 0.5, "upper": 1.0},)), "upper bound only"),
     (dict(rejection=({"metric": "ratio"},)), "needs lower, upper"),
     (dict(rejection=({"lower": 2.0, "upper": 1.0},)), "lower=2.0 must be <= upper"),
-    (dict(rejection=({"level": "sequence-max", "upper": 2.0},)), "no sequence-max"),
 ])
 def test_bad_options_are_refused(bad, match):
     with pytest.raises(ValueError, match=match):
