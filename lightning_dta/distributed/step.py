@@ -128,14 +128,16 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
 
 
 def gradient_norm(parameters: Iterable[nn.Parameter], layout: ParallelLayout | None = None) -> float:
-    """Total 2-norm of the gradients (in float32), the figure clipping compares with ``gradient_clip_val``.
+    """Total 2-norm of the gradients (in float32, or float64 for float64 gradients), the figure clipping compares
+    with ``gradient_clip_val``.
 
     Sharded gradients (FSDP2 DTensors) hold one shard per rank: their squares are summed over ranks (one
     all-reduce, every rank calls it); replicated gradients are the same on every rank and need none."""
     grads = [p.grad for p in parameters if p.grad is not None]
 
     def squares(tensors: list[torch.Tensor]) -> float:  # one host sync for the whole list
-        norms = [torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors]
+        # float32 at least (bf16 gradients are summed in float32); a float64 gradient keeps its precision
+        norms = [torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)) for t in tensors]
         return float(torch.stack(norms).square().sum()) if norms else 0.0
 
     sharded = [local_tensor(g) for g in grads if local_tensor(g) is not g]

@@ -37,6 +37,20 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return GPT2LMHeadModel(config).to(torch.float64).eval()
 
 
+def save_model_dir(path: str, model: torch.nn.Module) -> str:
+    """``model`` and a word-level tokenizer (``t4`` .. ``t39``) in ``path``: what TRL's trainers load by path."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3} | {f"t{i}": i for i in range(4, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
+                            unk_token="<unk>").save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
 @dataclass
 class PaddedBatch:
     prompts: list[list[int]]

@@ -26,6 +26,7 @@ from tests.parity.harness import (  # noqa: E402
     logp_and_entropy,
     make_batch,
     rollouts,
+    save_model_dir,
     tiny_model,
     tree_step,
 )
@@ -64,17 +65,7 @@ SETTINGS = {
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     """A tiny model and a word-level tokenizer on disk: what GRPOTrainer loads (and its reference model)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    path = str(tmp_path_factory.mktemp("trl") / "tiny")
-    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3} | {f"t{i}": i for i in range(4, 40)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                            unk_token="<unk>").save_pretrained(path)
-    tiny_model().save_pretrained(path)
-    return path
+    return save_model_dir(str(tmp_path_factory.mktemp("trl") / "tiny"), tiny_model())
 
 
 def trainer(model_dir: str, tmp_path, **settings):
