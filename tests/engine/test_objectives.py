@@ -93,9 +93,14 @@ def models() -> dict[str, torch.nn.Module]:
     return {family: make_model(family, torch.float64) for family in ("llama", "qwen2")}
 
 
-@pytest.mark.parametrize("config_name", list(CONFIGS))
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+# The objectives of the first release run on two families; the later ones (from "kl-ratio-weighted" on) change only
+# the loss on the grid and what is decided before the walk, which no model family touches: one family keeps CI cheap.
+FIRST_FAMILY_ONLY = set(list(OBJECTIVES)[list(OBJECTIVES).index("kl-ratio-weighted"):])
+MATRIX = [(family, objective, config) for family in ("llama", "qwen2") for objective in OBJECTIVES
+          for config in CONFIGS if family == "llama" or objective not in FIRST_FAMILY_ONLY]
+
+
+@pytest.mark.parametrize("family, objective, config_name", MATRIX, ids=["-".join(m) for m in MATRIX])
 def test_objective_is_exact_on_trees(objective, config_name, family, models):
     model, loss_fn = models[family], OBJECTIVES[objective]
     rollouts = near_policy_rollouts(model, seed=7)
