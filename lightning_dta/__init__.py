@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dta.contracts import Objective, ParallelLayout, StepSource
 from lightning_dta.core.advantages import grpo_advantages, reinforce_baseline_advantages
-from lightning_dta.core.losses import PolicyLoss, ValueLoss
+from lightning_dta.core.losses import PolicyLoss, Rejection, ValueLoss
 from lightning_dta.core.rollout import (
     Rollout,
     RolloutError,
@@ -68,6 +68,7 @@ __all__ = [
     "ParallelLayout",
     "PeakMemoryMonitor",
     "PolicyLoss",
+    "Rejection",
     "PrefixTree",
     "Rollout",
     "RolloutDataModule",

@@ -30,12 +30,12 @@ from lightning_dta.engine.options import EngineOptions
 from lightning_dta.lightning.cli import cli_main
 
 COMMANDS = {"plan": "lightning_dta.plan.cli", "bench": "lightning_dta.bench.cli",
-            "export": "lightning_dta.distributed.export"}
+            "export": "lightning_dta.distributed.export", "convert": "lightning_dta.integrations.convert"}
 """the verbs besides ``fit``, each a module with ``main(argv) -> int``."""
 TRACEBACK = "LIGHTNING_DTA_TRACEBACK"
 """set to 1 (or pass ``--traceback``): print the traceback of bad input too."""
 
-USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export} ...
+USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export,convert} ...
 
   fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
            --trainer.*; the engine: --model.engine.*); lightning-dta fit --help
@@ -44,6 +44,8 @@ USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export} ...
   bench    every training mode side by side on the same model and rollouts (the engine: --engine.*);
            lightning-dta bench --help
   export   a training checkpoint as a Hugging Face model directory; lightning-dta export --help
+  convert  TRL, verl or AReaL settings as a fit config fragment (model.loss, model.engine, data.advantage_*);
+           lightning-dta convert {trl,verl,areal} CONFIG
 
 engine options, the same in every verb (fit: --model.engine.NAME, plan and bench: --engine.NAME), with defaults:
 """

@@ -4,8 +4,9 @@ Each part talks to the next through one of these and never by probing for attrib
 an IDE and the import graph all see the handshake:
 
 - :class:`Objective`: what a loss offers the engine. ``engine/`` imports this and never a concrete loss; the
-  policy loss and the critic's value loss (``core/losses.py``) both implement it. :class:`TokenData` is what
-  the engine hands an objective for one chunk.
+  policy loss and the critic's value loss (``core/losses.py``) both implement it. :class:`StepTokens` is what the
+  objective decides before the walk (which tokens count, per-rollout weights), :class:`TokenData` what the engine
+  hands it for one chunk.
 - :class:`StepSource`: what a source of steps offers ``RolloutDataModule``: whole steps whose advantages are
   already estimated, a length when it knows one, its state for resume, and a hook on each rank's share;
   :class:`TreeDataModule`: what such a data module offers the training module (the model's limits in, the
@@ -43,7 +44,8 @@ DATA_PARALLEL, TENSOR_PARALLEL = "data_parallel", "tensor_parallel"  # the mesh 
 class TokenData:
     """Per-(rollout, position) inputs of an objective for one chunk, each ``[R, L]`` (float unless noted).
 
-    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field. ``seq_log_weight`` and
+    ``old``/``prox``/``ref`` hold NaN where the rollout did not provide the field. ``weight`` has one column per
+    term the objective aggregates on its own (:meth:`Objective.rollout_weights`). ``seq_log_weight`` and
     ``seq_log_ratio`` are ``[R, 1]`` per-rollout values (``None`` unless the objective asks for them); ``returns``
     and ``old_values`` are grids of the per-token fields an objective names in ``token_fields``.
     """
@@ -53,12 +55,39 @@ class TokenData:
     old: torch.Tensor
     prox: torch.Tensor
     ref: torch.Tensor
-    weight: torch.Tensor  # [R, 1]: the aggregation weight of each rollout
+    weight: torch.Tensor  # [R, K]: the aggregation weights of each rollout, one column per separately aggregated term
     any_ref: bool = False  # whether any rollout of the step has reference log-probs
-    seq_log_weight: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of prox - old
+    seq_log_weight: torch.Tensor | None = None  # [R, 1]: the objective's per-rollout log-weight (StepTokens)
     seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
     returns: torch.Tensor | None = None  # [R, L]: the critic's targets
     old_values: torch.Tensor | None = None  # [R, L]: the critic's values at scoring time, NaN where not given
+
+
+@dataclass
+class StepTokens:
+    """The per-token inputs of a tree's rollouts, flat (rollout after rollout, token 0 included), in float64 on the
+    CPU: what an objective decides from before the walk (:meth:`Objective.prepare`).
+
+    ``mask`` is the loss mask (0/1), ``old``/``prox`` hold NaN where not given, ``owner`` is each token's rollout.
+    ``prepare`` returns these with what it decided: ``mask`` the (token, rollout) pairs the loss trains,
+    ``normalizer_mask`` the ones the step's normalisers count (``None``: ``mask``), ``advantages`` as the loss uses
+    them, and ``seq_log_weight`` a per-rollout log-weight ``[R]`` it asks the engine to carry into every chunk.
+    Decisions made here are made once per step, before the walk, identically on every rank and in every mode.
+    """
+
+    mask: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor
+    prox: torch.Tensor
+    owner: torch.Tensor
+    num_rollouts: int
+    normalizer_mask: torch.Tensor | None = None
+    seq_log_weight: torch.Tensor | None = None
+
+    @property
+    def counted(self) -> torch.Tensor:
+        """The mask the normalisers count."""
+        return self.mask if self.normalizer_mask is None else self.normalizer_mask
 
 
 @runtime_checkable
@@ -80,9 +109,6 @@ class Objective(Protocol):
     needs_sequence_ratio: bool
     """whether each rollout's ratio of the current weights is needed before the walk (a forward-only pass)."""
 
-    needs_sequence_weights: bool
-    """whether each rollout's mean ``prox - old`` over its trained tokens is needed (sequence-level weights)."""
-
     token_fields: tuple[str, ...]
     """per-token rollout fields to gather into :class:`TokenData` beyond the policy's own (e.g. ``returns``)."""
 
@@ -100,11 +126,18 @@ class Objective(Protocol):
     metric_sums: tuple[str, ...]
     """names of the raw sums the objective accumulates (added over chunks, trees and ranks before ratios)."""
 
-    def normalizer(self, masks: Sequence[torch.Tensor]) -> float:
-        """This tree's share of the step's loss normaliser, from per-rollout loss masks."""
+    def prepare(self, tokens: StepTokens) -> StepTokens:
+        """What the loss decides before the walk from the rollouts alone: which (token, rollout) pairs it trains and
+        which its normalisers count, per-rollout weights, the advantages it uses. The engine calls it once per tree
+        (for the normaliser too, so that N ranks count what 1 rank counts)."""
 
-    def rollout_weights(self, token_counts: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """Each rollout's weight of its per-token loss sum, so that the step's loss is one weighted sum."""
+    def normalizer(self, masks: Sequence[torch.Tensor]) -> tuple[float, ...]:
+        """This tree's share of the step's loss normalisers, from per-rollout masks (``StepTokens.counted``): counts
+        that add over trees and ranks (a distributed step sums them elementwise)."""
+
+    def rollout_weights(self, token_counts: torch.Tensor, normalizer: Sequence[float]) -> torch.Tensor:
+        """Each rollout's weights ``[R, K]`` of its per-token loss sums (one column per separately aggregated term),
+        so that the step's loss is one weighted sum; ``token_counts`` counts ``StepTokens.counted``."""
 
     def metrics(self, sums: Mapping[str, float]) -> dict[str, float]:
         """The reported metrics from the (step-wide) raw sums."""

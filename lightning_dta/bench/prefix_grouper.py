@@ -118,7 +118,7 @@ def prefix_grouper_backward(model: nn.Module, tree: PrefixTree, loss_fn: PolicyL
                 continue
             rows = logits.index_select(0, to_device(torch.searchsorted(kept, where), logits.device))
             logp, entropy = score(rows, t.token_ids, step.dtype, with_entropy=True,
-                                  entropy_grad=loss_fn.needs_entropy_grad)
+                                  entropy_grad=loss_fn.needs_entropy_grad, temperature=1.0)
             losses.append(loss_fn(logp, entropy, t.data, sums))
         loss = sum(losses)
         loss.backward()

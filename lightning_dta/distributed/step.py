@@ -60,7 +60,7 @@ class StepOutput:
 
     loss: float
     metrics: dict[str, float]
-    normalizer: float
+    normalizer: tuple[float, ...]
     local: TreeBackwardOutput | None = field(default=None, repr=False)
     rank_seconds: list[float] = field(default_factory=list)
     grad_norm: float | None = None
@@ -83,27 +83,23 @@ def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
 
 
 def step_normalizer(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
-                    layout: ParallelLayout | None = None) -> float:
-    """The loss normaliser of the whole step: this rank's share summed over the data-parallel ranks (one collective;
-    see :func:`step_totals`)."""
+                    layout: ParallelLayout | None = None) -> tuple[float, ...]:
+    """The loss normalisers of the whole step: this rank's counts summed elementwise over the data-parallel ranks
+    (one collective; see :func:`step_totals`)."""
     return step_totals(tree, loss_fn, device, layout)[0]
 
 
 def step_totals(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
-                layout: ParallelLayout | None = None) -> tuple[float, list[float]]:
-    """The step's loss normaliser and, for each of ``loss_fn.step_fields``, the rollouts of the whole step that
-    carry it: this rank's shares summed over the data-parallel ranks, in one collective (none when there is nothing
-    to sum). ``agg="sum"`` has no normaliser (1 on every rank, and not a count)."""
+                layout: ParallelLayout | None = None) -> tuple[tuple[float, ...], list[float]]:
+    """The step's loss normalisers and, for each of ``loss_fn.step_fields``, the rollouts of the whole step that
+    carry it: this rank's counts summed over the data-parallel ranks, in one collective. A rank without a tree adds
+    zeros (it asks the objective for the counts of no rollouts)."""
     rollouts = tree.rollouts if tree is not None else []
     carried = [float(sum(1 for rollout in rollouts if getattr(rollout, name) is not None))
                for name in loss_fn.step_fields]
-    if loss_fn.agg == "sum":
-        if not carried:
-            return 1.0, []
-        return 1.0, all_reduce_sum(carried, device, group=(layout or ParallelLayout()).data_parallel_group)
-    local = 0.0 if tree is None else tree_loss_normalizer(tree, loss_fn)
-    totals = all_reduce_sum([local, *carried], device, group=(layout or ParallelLayout()).data_parallel_group)
-    return totals[0], totals[1:]
+    local = loss_fn.normalizer([]) if tree is None else tree_loss_normalizer(tree, loss_fn)
+    totals = all_reduce_sum([*local, *carried], device, group=(layout or ParallelLayout()).data_parallel_group)
+    return tuple(totals[:len(local)]), totals[len(local):]
 
 
 def check_step_fields(loss_fn: Objective, carried: list[float]) -> None:

@@ -59,7 +59,8 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
             forward_batch(model, info, batch, None, [torch.arange(0)])
         with SavedTensorMeter(model) as whole:
             logits, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
-            loss_inputs(loss_fn, logits[0], targets, dtype)  # log-probs and entropies, or a critic's values
+            # log-probs and entropies, or a critic's values (the temperature does not change what is saved)
+            loss_inputs(loss_fn, logits[0], targets, dtype, 1.0)
         rows, columns = 8, 16
         scores = torch.zeros(rows, columns, dtype=dtype, device=info.device, requires_grad=True)
         data = _probe_data(rows, columns, dtype, info.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ class TreeBackwardOutput:
     metrics: dict[str, float]
     sums: dict[str, float] = field(repr=False)  # raw sums behind the metrics, to add across trees/ranks
     stats: TreeStats
-    normalizer: float
+    normalizer: tuple[float, ...]
 
 
 def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
@@ -58,7 +58,8 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
 
 
 def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: Objective, mode: str | None = None,
-                  *, engine: EngineOptions | Mapping[str, Any] | None = None, normalizer: float | None = None,
+                  *, engine: EngineOptions | Mapping[str, Any] | None = None,
+                  normalizer: Sequence[float] | None = None,
                   **overrides: Any) -> TreeBackwardOutput:
     """Add the gradient of the loss over every rollout of ``tree`` to the parameters' ``.grad``.
 
@@ -69,8 +70,9 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: Objective, mode: 
             or a critic's :class:`~lightning_dta.ValueLoss`.
         mode: shorthand for ``EngineOptions.mode`` (``"dfs"``, ``"vanilla"`` or ``"mask"``).
         engine: the :class:`EngineOptions` (default ``EngineOptions()``); every combination is exact.
-        normalizer: the step's loss normaliser (see ``PolicyLoss.normalizer``); ``None`` uses this tree's own.
-            A distributed step passes the sum over all ranks so that every rank's gradient shares one scale.
+        normalizer: the step's loss normalisers (the counts of ``tree_loss_normalizer``, summed elementwise over
+            the step's trees and ranks); ``None`` uses this tree's own. A distributed step passes the sums over all
+            ranks so that every rank's gradient shares one scale.
         overrides: any :class:`EngineOptions` field as a keyword (``activation="recompute"``, ``chunk_size=256``,
             ...), applied on top of ``engine``.
     """
@@ -94,9 +96,11 @@ def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: Objective, mode: 
     if engine.mode == "dfs":
         total = DFSWalk(model, info, tree, step, loss_fn, engine, sums).run()
     elif engine.mode == "vanilla":
-        total = vanilla_backward(model, info, tree, step, loss_fn, sums, engine.vanilla_batch_tokens)
+        total = vanilla_backward(model, info, tree, step, loss_fn, sums, engine.vanilla_batch_tokens,
+                                 engine.policy_temperature)
     else:
-        total = mask_backward(model, info, tree, step, loss_fn, sums, engine.mask_max_tokens)
+        total = mask_backward(model, info, tree, step, loss_fn, sums, engine.mask_max_tokens,
+                              engine.policy_temperature)
     total, *values = host_values([total, *sums.values()], info.device)  # the step's one host read
     sums = dict(zip(sums, values))
     return TreeBackwardOutput(loss=total, metrics=loss_fn.metrics(sums), sums=sums, stats=tree.stats,

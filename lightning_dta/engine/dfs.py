@@ -168,7 +168,8 @@ class DFSWalk(DFSSchedule):
         return self.total_loss
 
     def _loss(self, logits: torch.Tensor, targets: ChunkTargets) -> torch.Tensor:
-        scores, entropy = loss_inputs(self.loss_fn, logits, targets.token_ids, self.step.dtype)
+        scores, entropy = loss_inputs(self.loss_fn, logits, targets.token_ids, self.step.dtype,
+                                     self.engine.policy_temperature)
         loss = self.loss_fn(scores, entropy, targets.data, self.sums)
         self.total_loss += loss.detach()
         return loss

@@ -109,13 +109,14 @@ def _check_layers(model: nn.Module, info: ModelInfo, recorder) -> None:
 
 
 def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool,
-          entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``targets`` ``[R, C]`` under ``logits`` ``[C, V]``, and the entropy of each column ``[1, C]``.
+          entropy_grad: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``targets`` ``[R, C]`` under ``softmax(logits [C, V] / temperature)``, and the entropy of each
+    column ``[1, C]``.
 
     One normaliser per position serves every rollout through it; rows only gather different targets. The
     work runs in blocks of positions (:mod:`token_scores`), so no full-vocabulary float32 copy is kept.
     """
-    logp, entropy = token_scores(logits, targets, dtype)
+    logp, entropy = token_scores(logits, targets, dtype, temperature=temperature)
     if not with_entropy:
         return logp, None
     if not entropy_grad:
@@ -123,13 +124,15 @@ def score(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_
     return logp, entropy[None, :]
 
 
-def loss_inputs(loss_fn: Objective, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def loss_inputs(loss_fn: Objective, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What ``loss_fn`` takes from a chunk's head outputs ``[C, V]`` for the targets ``[R, C]``: the targets'
-    log-probs and the entropies (policy), or the value head's output at each position for every row (critic)."""
+    log-probs and the entropies under ``logits / temperature`` (policy), or the value head's output at each
+    position for every row (critic; the temperature does not apply)."""
     if loss_fn.head == "values":
         return logits[:, 0].to(dtype)[None, :].expand(targets.shape), None
-    return score(logits, targets, dtype, with_entropy=True, entropy_grad=loss_fn.needs_entropy_grad)
+    return score(logits, targets, dtype, with_entropy=True, entropy_grad=loss_fn.needs_entropy_grad,
+                 temperature=temperature)
 
 
 def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, columns: torch.Tensor | None,

@@ -64,7 +64,8 @@ class LogprobWalk(TreeWalk):
         if self.values:
             logp = rows[:, 0].to(self.out.dtype)[None, :].expand(targets.token_ids.shape)
         else:
-            logp, _ = token_scores(rows, targets.token_ids, self.out.dtype, with_entropy=False)
+            logp, _ = token_scores(rows, targets.token_ids, self.out.dtype, with_entropy=False,
+                                   temperature=self.engine.policy_temperature)
         target_pos = chunk.start + targets.columns  # position p predicts token p+1, stored at entry p
         index = self.out_offsets[targets.rollouts][:, None] + target_pos[None, :]
         valid = ((target_pos[None, :] + 1) < self.step.lengths[targets.rollouts][:, None]).flatten()

@@ -59,7 +59,7 @@ def tree_attention_mask(pack: PrefixTree, dtype: torch.dtype) -> tuple[torch.Ten
 
 
 def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
-                  sums: dict, max_tokens: int | None = None) -> torch.Tensor:
+                  sums: dict, max_tokens: int | None, temperature: float) -> torch.Tensor:
     total = torch.zeros((), dtype=step.dtype, device=info.device)
     for group in rollout_packs(tree, max_tokens):
         pack = tree.subset(group)
@@ -80,7 +80,7 @@ def mask_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: Ste
         # split, not slices: backward assembles one gradient buffer instead of a full-size one per node
         per_node = torch.split(logits, [targets.columns.numel() for _, targets in rows])
         for node_logits, (_, targets) in zip(per_node, rows):
-            scores, entropy = loss_inputs(loss_fn, node_logits, targets.token_ids, step.dtype)
+            scores, entropy = loss_inputs(loss_fn, node_logits, targets.token_ids, step.dtype, temperature)
             loss = loss + loss_fn(scores, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()

@@ -4,12 +4,15 @@ One place defines each option, its type, its default and its check; everything t
 (``tree_backward``, ``tree_logprobs``, the step functions, ``DTAModule``, the online RL source, the bench)
 takes an ``EngineOptions`` and hands it on unchanged. In YAML it is a nested block (``model.engine``) whose
 field docstrings are the CLI help. Every combination of options computes exactly the same gradients; they
-only trade memory against speed.
+only trade memory against speed. The one exception is ``policy_temperature``, which says which policy is trained
+(the distribution softmax(logits / T) the rollouts were sampled from); it reaches every walk, so that the
+training walk and the forward-only walks score the same policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -74,6 +77,11 @@ class EngineOptions:
     """vanilla: right-padded micro-batches of at most this many tokens (rows x longest row); null: one rollout
     per forward."""
 
+    policy_temperature: float = 1.0
+    """every mode and walk: log-probs and entropies are those of softmax(logits / policy_temperature), the policy
+    the rollouts were sampled from (TRL's and verl's temperature). Unlike the other options it changes the loss:
+    it defines the policy. A critic's values ignore it."""
+
     def __post_init__(self) -> None:
         hints = get_type_hints(type(self))
         for spec in dataclasses.fields(self):
@@ -85,6 +93,11 @@ class EngineOptions:
             elif spec.name == "prefix_attention":
                 if value not in (None, True, False):
                     raise ConfigError(f"EngineOptions.prefix_attention={value!r}. Fix: null, true or false")
+            elif spec.name == "policy_temperature":
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                        value > 0 and math.isfinite(value)):
+                    raise ConfigError(f"EngineOptions.policy_temperature={value!r}. Fix: a positive number (1: "
+                                      "the model's own distribution)")
             elif value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"EngineOptions.{spec.name}={value!r}: a count of tokens or bytes. Fix: null or a "
                                   "positive int")

@@ -9,11 +9,12 @@ rows and columns with nothing to train are dropped before the model's head is ev
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from lightning_dta.contracts import Objective, TokenData
+from lightning_dta.contracts import Objective, StepTokens, TokenData
 from lightning_dta.core.rollout import RolloutError
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.device import expected_sync, to_device
@@ -21,9 +22,42 @@ from lightning_dta.engine.device import expected_sync, to_device
 _NAN = float("nan")
 
 
-def tree_loss_normalizer(tree: PrefixTree, loss_fn: Objective) -> float:
-    """This tree's share of the step's loss normaliser; sum it over trees and ranks for a global step."""
-    return loss_fn.normalizer(tree.loss_masks)
+def _flat(values: list[float] | None, length: int, per_token: bool = False) -> torch.Tensor:
+    """One rollout's optional per-token field as float64 (NaN where not given; entry 0 is never used)."""
+    if values is None:
+        return torch.full((length,), _NAN, dtype=torch.float64)
+    if isinstance(values, (int, float)):
+        return torch.full((length,), float(values), dtype=torch.float64)
+    out = torch.tensor([_NAN if v is None else float(v) for v in values], dtype=torch.float64)
+    if not per_token:
+        out[0] = _NAN
+    return out
+
+
+def prepared_tokens(tree: PrefixTree, loss_fn: Objective) -> StepTokens:
+    """The tree's per-token inputs as ``loss_fn`` decides them before the walk (:meth:`Objective.prepare`), in
+    float64 on the CPU: the one place both the normaliser and the walk's data come from, so they agree."""
+    lengths = [len(t) for t in tree.token_tensors]
+    tokens = StepTokens(
+        mask=torch.cat(tree.loss_masks).to(torch.float64),
+        advantages=torch.cat([_flat(r.advantages, len(r), per_token=True) for r in tree.rollouts]),
+        old=torch.cat([_flat(r.old_logprobs, len(r)) for r in tree.rollouts]),
+        prox=torch.cat([_flat(r.prox_logprobs, len(r)) for r in tree.rollouts]),
+        owner=torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths, dtype=torch.long)),
+        num_rollouts=len(lengths))
+    return loss_fn.prepare(tokens)
+
+
+def counted_masks(tokens: StepTokens, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """Per-rollout masks of the pairs the normalisers count."""
+    return list(torch.split(tokens.counted, list(lengths)))
+
+
+def tree_loss_normalizer(tree: PrefixTree, loss_fn: Objective) -> tuple[float, ...]:
+    """This tree's share of the step's loss normalisers (counts); sum them elementwise over trees and ranks for a
+    global step."""
+    tokens = prepared_tokens(tree, loss_fn)
+    return tuple(loss_fn.normalizer(counted_masks(tokens, [len(t) for t in tree.token_tensors])))
 
 
 @dataclass
@@ -55,34 +89,39 @@ def warn_if_nothing_to_learn(step: StepData, loss_fn: Objective) -> None:
 class StepData:
     """Flat per-token tensors of all rollouts of a tree (on the CPU, where the indexing is cheap)."""
 
-    def __init__(self, tree: PrefixTree, loss_fn: Objective | None = None, normalizer: float | None = None,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, tree: PrefixTree, loss_fn: Objective | None = None,
+                 normalizer: Sequence[float] | None = None, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         self.tree = tree
         self.device = torch.device(device)
         self.dtype = dtype
         self.lengths = torch.tensor([len(t) for t in tree.token_tensors], dtype=torch.long)
         self.offsets = torch.cumsum(self.lengths, 0) - self.lengths
         self.tokens = torch.cat(tree.token_tensors)
-        masks = tree.loss_masks
-        self.mask = torch.cat(masks)
         self.owner = torch.repeat_interleave(torch.arange(len(self.lengths)), self.lengths)  # each token's rollout
-        self.token_counts = torch.stack([m.sum() for m in masks])
-        # Stored in the loss's dtype (float32 unless the model is float64): a large step holds millions of these.
-        self.advantages = torch.cat([self._per_token(r.advantages, len(r)) for r in tree.rollouts])
-        self.old = torch.cat([self._optional(r.old_logprobs, len(r)) for r in tree.rollouts])
-        self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
         self.ref = torch.cat([self._optional(r.ref_logprobs, len(r)) for r in tree.rollouts])
         self.any_ref = any(r.ref_logprobs is not None for r in tree.rollouts)
-        self.fields = self._token_fields(loss_fn)  # the objective's own per-token fields (a critic's returns)
+        self.seq_log_weight = None  # [R]: the objective's per-rollout log-weight, when it asks for one
         if loss_fn is not None:
-            self.normalizer = float(loss_fn.normalizer(masks) if normalizer is None else normalizer)
-            self.weights = loss_fn.rollout_weights(self.token_counts, self.normalizer)
+            prepared = prepared_tokens(tree, loss_fn)  # what the loss decided before the walk (rejection, ...)
+            counted = counted_masks(prepared, self.lengths.tolist())
+            self.normalizer = tuple(float(n) for n in (loss_fn.normalizer(counted) if normalizer is None
+                                                       else normalizer))
+            self.weights = loss_fn.rollout_weights(torch.stack([m.sum() for m in counted]), self.normalizer)
+            # Stored in the loss's dtype (float32 unless the model is float64): a large step holds millions of these.
+            self.mask, self.advantages = prepared.mask.to(dtype), prepared.advantages.to(dtype)
+            self.old, self.prox = prepared.old.to(dtype), prepared.prox.to(dtype)
+            if prepared.seq_log_weight is not None:
+                self.seq_log_weight = prepared.seq_log_weight.to(dtype)
         else:
-            self.normalizer = 1.0
-            self.weights = torch.ones(len(tree.rollouts), dtype=torch.float64)
-        self.seq_log_weight = None  # [R]: sequence-level importance log-weights, when the loss asks for them
-        if loss_fn is not None and loss_fn.needs_sequence_weights:
-            self.seq_log_weight = self._sequence_log_weights()
+            self.normalizer = (1.0,)
+            self.weights = torch.ones(len(tree.rollouts), 1, dtype=torch.float64)
+            self.mask = torch.cat(tree.loss_masks)
+            self.advantages = torch.cat([self._per_token(r.advantages, len(r)) for r in tree.rollouts])
+            self.old = torch.cat([self._optional(r.old_logprobs, len(r)) for r in tree.rollouts])
+            self.prox = torch.cat([self._optional(r.prox_logprobs, len(r)) for r in tree.rollouts])
+        self.token_counts = torch.stack([m.sum() for m in torch.split(self.mask, self.lengths.tolist())])
+        self.fields = self._token_fields(loss_fn)  # the objective's own per-token fields (a critic's returns)
         self.seq_log_ratio: torch.Tensor | None = None  # [R]: GSPO's log-ratio, set by set_current_logprobs
 
     def _token_fields(self, loss_fn: Objective | None) -> dict[str, torch.Tensor]:
@@ -105,16 +144,6 @@ class StepData:
         totals = torch.zeros(len(self.lengths), dtype=torch.float64).index_add_(
             0, self.owner[trained], values[trained].to(torch.float64))
         return (totals / self.token_counts.clamp(min=1).to(torch.float64)).to(self.dtype)
-
-    def _sequence_log_weights(self) -> torch.Tensor:
-        """``mean over trained tokens of (prox - old)`` per rollout; a token without prox has prox = old."""
-        missing_old = torch.isnan(self.old) & ~torch.isnan(self.prox) & (self.mask > 0)
-        if bool(missing_old.any()):
-            index = int(self.owner[torch.nonzero(missing_old)[0]])
-            raise RolloutError(index, "old_logprobs", "is missing where prox_logprobs is given, so the sequence-level "
-                               "importance weight exp(mean(prox - old)) is undefined", "give the behaviour "
-                               "log-probs, or use importance_level='token'")
-        return self._per_rollout_mean(torch.nan_to_num(self.prox - self.old, nan=0.0))
 
     def set_current_logprobs(self, logprobs: list[torch.Tensor]) -> None:
         """GSPO: the per-rollout ``mean over trained tokens of (logp - prox)`` from the current weights' log-probs
@@ -169,7 +198,7 @@ class StepData:
 
         data = TokenData(mask=on_device(mask), advantages=on_device(self.advantages[index]),
                          old=on_device(self.old[index]), prox=on_device(self.prox[index]),
-                         ref=on_device(self.ref[index]), weight=on_device(self.weights[rollouts][:, None]),
+                         ref=on_device(self.ref[index]), weight=on_device(self.weights[rollouts]),
                          any_ref=self.any_ref,
                          seq_log_weight=None if self.seq_log_weight is None else on_device(
                              self.seq_log_weight[rollouts][:, None]),

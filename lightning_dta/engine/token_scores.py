@@ -7,7 +7,9 @@ the per-position log-normaliser, and works through the vocabulary dimension a bl
 in both directions, so the float32 working set is one block.
 
 Every position may be scored against several targets (one per rollout through it): ``targets`` is
-``[R, C]``, column ``c`` holding the targets that position ``c`` predicts for each row.
+``[R, C]``, column ``c`` holding the targets that position ``c`` predicts for each row. A ``temperature`` T scores
+softmax(logits / T) without a scaled copy of the logits: each block is divided as it is converted, and the
+gradient is divided by T on the way back.
 """
 
 from __future__ import annotations
@@ -24,23 +26,24 @@ def _blocks(positions: int, vocab: int):
 
 
 class TokenScores(torch.autograd.Function):
-    """``(logp [R, C], entropy [C]) = f(logits [C, V], targets [R, C])`` computed in ``dtype``
+    """``(logp [R, C], entropy [C]) = f(logits [C, V] / temperature, targets [R, C])`` computed in ``dtype``
     (the entropy is left at zero, with no gradient, when ``with_entropy`` is false)."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool = True):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool = True,
+                temperature: float = 1.0):
         positions, vocab = logits.shape
         lse = torch.empty(positions, dtype=dtype, device=logits.device)
         entropy = torch.zeros(positions, dtype=dtype, device=logits.device)
         for a, b in _blocks(positions, vocab):
-            block = logits[a:b].to(dtype)
+            block = _scaled(logits[a:b], dtype, temperature)
             lse[a:b] = torch.logsumexp(block, dim=-1)
             if with_entropy:
                 log_p = block - lse[a:b, None]
                 entropy[a:b] = -(log_p.exp() * log_p).sum(-1)
-        picked = logits.gather(1, targets.t()).t().to(dtype)  # [R, C]
+        picked = _scaled(logits.gather(1, targets.t()).t(), dtype, temperature)  # [R, C]
         ctx.save_for_backward(logits, targets, lse, entropy)
-        ctx.dtype = dtype
+        ctx.dtype, ctx.temperature = dtype, temperature
         ctx.set_materialize_grads(False)  # an unused output (entropy without a bonus) costs nothing
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -49,11 +52,11 @@ class TokenScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None):
         logits, targets, lse, entropy = ctx.saved_tensors
-        dtype = ctx.dtype
+        dtype, temperature = ctx.dtype, ctx.temperature
         positions, vocab = logits.shape
         grad_logits = torch.empty_like(logits)
         for a, b in _blocks(positions, vocab):
-            log_p = logits[a:b].to(dtype) - lse[a:b, None]
+            log_p = _scaled(logits[a:b], dtype, temperature) - lse[a:b, None]
             p = log_p.exp()
             grad = torch.zeros_like(log_p)
             if grad_logp is not None:
@@ -64,11 +67,20 @@ class TokenScores(torch.autograd.Function):
             if grad_entropy is not None:
                 # H = -sum p log p  =>  dH / d logits[v] = -p[v] * (log p[v] + H)
                 grad -= grad_entropy[a:b, None].to(dtype) * p * (log_p + entropy[a:b, None])
+            if temperature != 1.0:  # d (logits / T) / d logits = 1 / T
+                grad = grad / temperature
             grad_logits[a:b] = grad.to(logits.dtype)
-        return grad_logits, None, None, None
+        return grad_logits, None, None, None, None
 
 
-def token_scores(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs ``[R, C]`` of ``targets`` under ``logits`` ``[C, V]`` and each position's entropy ``[C]``."""
-    return TokenScores.apply(logits, targets, dtype, with_entropy)
+def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """``logits / temperature`` in ``dtype`` (the division after the conversion, in the working precision)."""
+    converted = logits.to(dtype)
+    return converted if temperature == 1.0 else converted / temperature
+
+
+def token_scores(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype, with_entropy: bool = True,
+                 temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs ``[R, C]`` of ``targets`` under ``softmax(logits [C, V] / temperature)`` and each position's
+    entropy ``[C]``."""
+    return TokenScores.apply(logits, targets, dtype, with_entropy, temperature)

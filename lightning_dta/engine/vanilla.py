@@ -33,7 +33,7 @@ def micro_batches(lengths: list[int], batch_tokens: int | None) -> list[list[int
 
 
 def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
-                     sums: dict, batch_tokens: int | None = None) -> torch.Tensor:
+                     sums: dict, batch_tokens: int | None, temperature: float) -> torch.Tensor:
     total = torch.zeros((), dtype=step.dtype, device=info.device)
     lengths = [len(t) for t in tree.token_tensors]
     for batch in micro_batches(lengths, batch_tokens):
@@ -53,7 +53,7 @@ def vanilla_backward(model: nn.Module, info: ModelInfo, tree: PrefixTree, step: 
         loss = 0.0
         grids = [targets for _, targets in rows]
         for row, targets in zip(row_logits(logits, columns, [targets.columns for targets in grids]), grids):
-            scores, entropy = loss_inputs(loss_fn, row, targets.token_ids, step.dtype)
+            scores, entropy = loss_inputs(loss_fn, row, targets.token_ids, step.dtype, temperature)
             loss = loss + loss_fn(scores, entropy, targets.data, sums)
         loss.backward()
         total += loss.detach()

@@ -23,10 +23,11 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import nn
 
 from lightning_dta.contracts import ParallelLayout
-from lightning_dta.core.advantages import gae_advantages
+from lightning_dta.core.advantages import advantage_sums, gae_advantages, whiten_advantages
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import ValueLoss
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.collectives import all_reduce_sum, collective_device
 from lightning_dta.distributed.step import StepOutput, clip_by_norm, gradient_norm, tree_step_backward
 from lightning_dta.engine import EngineOptions, tree_values
 from lightning_dta.lightning.step import build_optimizer, check_optimizer
@@ -43,12 +44,15 @@ class PPOCritic(nn.Module):
         optimizer: called with the critic's parameters.
         value_loss: the critic's :class:`~lightning_dta.ValueLoss`.
         gamma, lam: GAE's discount and trace decay, each in [0, 1].
+        whiten: whiten GAE's advantages over the whole step, every rank's rollouts together: ``(A - mean) /
+            sqrt(var + 1e-8)`` over every trained (token, rollout) pair, var the unbiased one (verl's
+            ``masked_whiten``); the returns stay ``A + V`` from before. Two small all-reduces per step.
     """
 
     def __init__(self, model: ModelSpec, *, model_kwargs: dict[str, Any] | None = None,
                  optimizer: OptimizerCallable = torch.optim.AdamW,
                  value_loss: ValueLoss = ValueLoss(), gamma: float = 1.0,  # noqa: B008 (frozen)
-                 lam: float = 1.0) -> None:
+                 lam: float = 1.0, whiten: bool = False) -> None:
         super().__init__()
         if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
             raise ConfigError(f"model.critic.gamma={gamma} and lam={lam}: GAE's discount and trace decay. Fix: "
@@ -61,14 +65,15 @@ class PPOCritic(nn.Module):
         self.model: nn.Module | None = value_model(model) if isinstance(model, nn.Module) else None
         self.optimizer_factory = optimizer
         self.value_loss = value_loss if isinstance(value_loss, ValueLoss) else ValueLoss(**value_loss)
-        self.gamma, self.lam = gamma, lam
+        self.gamma, self.lam, self.whiten = gamma, lam, whiten
         self._optimizer: torch.optim.Optimizer | None = None
         self._optimizer_state: dict | None = None  # from a checkpoint, applied when the optimizer exists
 
     def hyperparameters(self) -> dict[str, Any]:
         """The settings as plain data, for the module's checkpoint (a module given as an ``nn.Module`` is not)."""
         return {"model": self.spec, "model_kwargs": self.model_kwargs,
-                "value_loss": dataclasses.asdict(self.value_loss), "gamma": self.gamma, "lam": self.lam}
+                "value_loss": dataclasses.asdict(self.value_loss), "gamma": self.gamma, "lam": self.lam,
+                "whiten": self.whiten}
 
     def configure(self, model_kwargs: dict[str, Any], layout: ParallelLayout) -> None:
         """Build the value model (once; after the policy, so that the policy's random init is unchanged)."""
@@ -79,15 +84,33 @@ class PPOCritic(nn.Module):
             kwargs = model_kwargs if self.model_kwargs is None else self.model_kwargs
             self.model = value_model(build_causal_lm(self.spec, kwargs))
 
-    def estimate(self, tree: PrefixTree | None, engine: EngineOptions) -> None:
+    def estimate(self, tree: PrefixTree | None, engine: EngineOptions, layout: ParallelLayout | None = None) -> None:
         """The critic's values on the step's tree (one forward-only walk), then GAE: each rollout's advantages
-        and returns, in place (the tree's rollouts are this step's own)."""
-        if tree is None:
-            return
-        for rollout, values in zip(tree.rollouts, tree_values(self.model, tree, engine=engine)):
-            rollout.old_values = [0.0] + values.double().cpu().tolist()
-        for rollout, estimated in zip(tree.rollouts, gae_advantages(tree.rollouts, self.gamma, self.lam)):
-            rollout.advantages, rollout.returns = estimated.advantages, estimated.returns
+        and returns, in place (the tree's rollouts are this step's own); with ``whiten``, the advantages whitened
+        with the mean and variance of the whole step (every rank calls this, also one without a tree: it joins
+        the all-reduces)."""
+        estimated = []
+        if tree is not None:
+            for rollout, values in zip(tree.rollouts, tree_values(self.model, tree, engine=engine)):
+                rollout.old_values = [0.0] + values.double().cpu().tolist()
+            estimated = gae_advantages(tree.rollouts, self.gamma, self.lam)
+        if self.whiten:
+            estimated = self._whitened(estimated, layout or ParallelLayout())
+        if tree is not None:
+            for rollout, done in zip(tree.rollouts, estimated):
+                rollout.advantages, rollout.returns = done.advantages, done.returns
+
+    def _whitened(self, estimated: list, layout: ParallelLayout) -> list:
+        """GAE's advantages whitened with the step-wide mean and unbiased variance (sums over the data-parallel
+        ranks: N ranks whiten exactly as 1 rank over the same rollouts)."""
+        device, group = collective_device(self.model), layout.data_parallel_group
+        total, count = all_reduce_sum(advantage_sums(estimated), device, group=group)
+        if count < 2:
+            raise ValueError(f"PPOCritic(whiten=True) needs at least 2 trained tokens in the step, got {int(count)} "
+                             "(the unbiased variance of fewer is undefined). Fix: whiten=False, or larger steps")
+        mean = total / count
+        squares, _ = all_reduce_sum(advantage_sums(estimated, center=mean), device, group=group)
+        return whiten_advantages(estimated, mean, squares / count * (count / (count - 1)))
 
     def step(self, tree: PrefixTree | None, engine: EngineOptions, layout: ParallelLayout,
              clip_val: float | None, clip_algorithm: str) -> StepOutput:

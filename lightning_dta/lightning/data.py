@@ -104,6 +104,8 @@ class RolloutDataModule(L.LightningDataModule):
         advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
             (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step, or ``"gae"``
             (the rewards pass through and ``DTAModule(critic=...)`` estimates advantages in the step).
+        advantage_options: the estimator's keyword arguments, e.g. ``{std_unbiased: true, eps: 1.0e-4}`` for
+            ``grpo`` (what ``PolicyLoss.from_trl`` and friends return as ``advantage_options``).
         partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
         cost_model: the partition's :class:`~lightning_dta.core.balance.CostModel` (its start, when calibrated).
         calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step
@@ -126,7 +128,7 @@ class RolloutDataModule(L.LightningDataModule):
                  calibrate_cost_model: bool = False,
                  shuffle: bool = False, seed: int = 0, max_steps_per_epoch: int | None = None,
                  vocab_size: int | None = None, max_positions: int | None = None, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+                 world_size: int | None = None, advantage_options: dict[str, Any] | None = None) -> None:
         super().__init__()
         if (path is None) == (source is None):
             raise ConfigError("give exactly one of `path` (a JSONL rollout file) and `source` (an iterable of steps)")
@@ -136,7 +138,7 @@ class RolloutDataModule(L.LightningDataModule):
         if max_steps_per_epoch is not None and max_steps_per_epoch < 1:
             raise ConfigError(f"max_steps_per_epoch={max_steps_per_epoch} must be >= 1 (or None)")
         check_partition_method(partition_method)
-        if isinstance(source, StepSource) and advantage_estimator is not None:
+        if isinstance(source, StepSource) and (advantage_estimator is not None or advantage_options):
             raise ConfigError(f"advantages would be estimated twice: by data.advantage_estimator="
                              f"{advantage_estimator!r} and by the {type(source).__name__} itself "
                              f"({source.advantage_estimator!r}). Fix: set the estimator on the source only (in YAML "
@@ -144,15 +146,17 @@ class RolloutDataModule(L.LightningDataModule):
         # Plain values only: checkpoints are loaded with torch.load(weights_only=True), which refuses a Path.
         self.save_hyperparameters({
             "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,
-            "advantage_estimator": advantage_estimator, "partition_method": partition_method,
+            "advantage_estimator": advantage_estimator, "advantage_options": advantage_options,
+            "partition_method": partition_method,
             "calibrate_cost_model": calibrate_cost_model, "shuffle": shuffle, "seed": seed,
             "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions})
         if path is not None:
-            self.source: StepSource = FileSteps(path, rollouts_per_step, advantage_estimator, shuffle, seed)
+            self.source: StepSource = FileSteps(path, rollouts_per_step, advantage_estimator, shuffle, seed,
+                                                advantage_options)
         elif isinstance(source, StepSource):
             self.source = source
         else:
-            self.source = IterableSteps(source, advantage_estimator)
+            self.source = IterableSteps(source, advantage_estimator, advantage_options)
         self.partition_method = partition_method
         self.cost_model = cost_model or CostModel()
         self.calibrator = CostCalibrator() if calibrate_cost_model else None

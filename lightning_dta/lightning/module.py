@@ -232,7 +232,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         tree = batch_tree(batch)
         layout = self.layout
         if self.critic is not None:
-            self.critic.estimate(tree, self.engine)
+            self.critic.estimate(tree, self.engine, layout)
         out = self.dfs_training_step(batch, self.loss_fn, model=self.model, engine=self.engine,
                                      gradient_clip_val=self.gradient_clip_val,
                                      gradient_clip_algorithm=self.gradient_clip_algorithm)

@@ -60,11 +60,11 @@ class FileSteps:
     """
 
     def __init__(self, path: str | Path, rollouts_per_step: int | None = None, advantage_estimator: str | None = None,
-                 shuffle: bool = False, seed: int = 0) -> None:
+                 shuffle: bool = False, seed: int = 0, advantage_options: dict[str, Any] | None = None) -> None:
         if rollouts_per_step is not None and not (isinstance(rollouts_per_step, int) and rollouts_per_step >= 1):
             raise ConfigError(f"data.rollouts_per_step={rollouts_per_step!r}: the rollouts of one optimizer step. Fix: "
                               "an int >= 1 (a multiple of the group size), or null for one step per file")
-        check_advantage_estimator(advantage_estimator)
+        check_advantage_estimator(advantage_estimator, advantage_options)
         self.path = Path(path)
         if not self.path.is_file():
             what = "is a directory" if self.path.is_dir() else "does not exist"
@@ -72,6 +72,7 @@ class FileSteps:
                               "object per line)")
         self.rollouts_per_step = rollouts_per_step
         self.advantage_estimator = advantage_estimator
+        self.advantage_options = advantage_options
         self.shuffle, self.seed = shuffle, seed
         self._steps: list[list[Rollout]] | None = None
         self._lines: list[int] = []  # the file's line of each rollout, for errors
@@ -89,7 +90,8 @@ class FileSteps:
         for number, start in enumerate(range(0, len(rollouts), size)):
             step = rollouts[start:start + size]
             try:
-                steps.append(estimate_advantages(step, self.advantage_estimator))  # once, and errors surface now
+                # once, and errors surface now
+                steps.append(estimate_advantages(step, self.advantage_estimator, self.advantage_options))
             except RolloutError as fault:  # the index counts within the step: name the file's rollout and line
                 index = start + (fault.index or 0)
                 raise RolloutError(index, fault.field, f"{fault.problem} (step {number})", fault.fix,
@@ -154,10 +156,12 @@ class IterableSteps:
     once: one epoch. Each step is validated and its advantages estimated when it arrives. A resumed run reads the
     epoch again from its start and skips the trained steps."""
 
-    def __init__(self, source: StepIterable, advantage_estimator: str | None = None) -> None:
-        check_advantage_estimator(advantage_estimator)
+    def __init__(self, source: StepIterable, advantage_estimator: str | None = None,
+                 advantage_options: dict[str, Any] | None = None) -> None:
+        check_advantage_estimator(advantage_estimator, advantage_options)
         self.source = source
         self.advantage_estimator = advantage_estimator
+        self.advantage_options = advantage_options
 
     def __len__(self) -> int:
         if not isinstance(self.source, Sized):  # Lightning's sized_len treats TypeError as "no length"
@@ -172,7 +176,7 @@ class IterableSteps:
             if number < start:
                 continue
             with located(label):
-                yield label, estimate_advantages(step, self.advantage_estimator)
+                yield label, estimate_advantages(step, self.advantage_estimator, self.advantage_options)
 
     def prepare_batch(self, batch: StepBatch) -> None:
         """Nothing to add."""

@@ -61,7 +61,8 @@ class StepInfo:
         return statistics.pstdev(self.rewards)
 
 
-def episode_rollouts(episodes: list[Episode], advantage_estimator: str | None) -> list[Rollout]:
+def episode_rollouts(episodes: list[Episode], advantage_estimator: str | None,
+                     advantage_options: dict | None = None) -> list[Rollout]:
     """Every call of every episode as a rollout, with advantages estimated per episode (one entry per episode
     in its group, so an episode with more calls does not weigh more) and copied to each of its calls."""
     if advantage_estimator is None:
@@ -69,7 +70,7 @@ def episode_rollouts(episodes: list[Episode], advantage_estimator: str | None) -
     if advantage_estimator == "gae":  # the module's critic estimates them; each call carries its episode's reward
         return [dataclasses.replace(call, reward=episode.reward) for episode in episodes for call in episode.calls]
     stand_ins = [Rollout(input_ids=[0, 0], reward=e.reward, group_id=e.prompt_index) for e in episodes]
-    estimated = estimate_advantages(stand_ins, advantage_estimator)
+    estimated = estimate_advantages(stand_ins, advantage_estimator, advantage_options)
     return [dataclasses.replace(call, advantages=estimate.advantages)
             for episode, estimate in zip(episodes, estimated) for call in episode.calls]
 

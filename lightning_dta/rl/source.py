@@ -98,6 +98,8 @@ class OnlineRolloutSource:
             baseline. ``"gae"``: each call carries its episode's reward and ``DTAModule(critic=...)`` estimates
             the advantages in the training step from its critic's values. Leave the data module's own
             ``advantage_estimator`` unset (the data module refuses both).
+        advantage_options: the estimator's keyword arguments (e.g. ``{std_unbiased: true}``; per episode, so
+            ``weighting: token`` is refused).
         decoupled: async only: recompute ``prox_logprobs`` on the current weights (decoupled PPO). ``False``
             keeps plain PPO against the behaviour log-probs.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
@@ -117,7 +119,8 @@ class OnlineRolloutSource:
                  max_staleness: int = 1, placement: Placement | None = None, generation_blocks: int | None = None,
                  advantage_estimator: str | None = "grpo", decoupled: bool = True,
                  ref_logprobs: bool = False, seed: int = 0,
-                 add_bos: bool = True, max_context: int | None = None) -> None:
+                 add_bos: bool = True, max_context: int | None = None,
+                 advantage_options: dict[str, Any] | None = None) -> None:
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):
@@ -131,7 +134,12 @@ class OnlineRolloutSource:
                              f"{prompts_per_step} (or None: one block per rank)")
         if max_staleness < 0:
             raise ConfigError(f"max_staleness={max_staleness} must be >= 0")
-        check_advantage_estimator(advantage_estimator)
+        check_advantage_estimator(advantage_estimator, advantage_options)
+        if (advantage_options or {}).get("weighting", "rollout") != "rollout":
+            raise ConfigError("advantage_options.weighting='token': the online source estimates advantages per "
+                             "episode (one reward each), whose calls have no single token count. Fix: "
+                             "weighting: rollout")
+        self.advantage_options = advantage_options
         self.env = env
         self.generator = generator if generator is not None else HFGenerator()
         self._tokenizer_spec = tokenizer
@@ -230,6 +238,11 @@ class OnlineRolloutSource:
         self._global_rank = rank()
         self.policy = policy
         self.engine = EngineOptions.resolve(engine)
+        if self.engine.policy_temperature != 1.0:
+            raise ValueError(f"engine.policy_temperature={self.engine.policy_temperature}: the generators record the "
+                             "temperature-1 log-probs of what they sample (the policy the loss trains by default), "
+                             "so a tempered loss would compare different policies. Fix: policy_temperature: 1 for "
+                             "online RL (sample at any temperature; the loss trains the model's own distribution)")
         self._version = version
         sharded = is_sharded(policy)
         # A sharded policy's weights are gathered collectively, so every rank takes part in each weight copy (the
@@ -343,7 +356,7 @@ class OnlineRolloutSource:
                                f"version {self._version}: staleness {staleness} exceeds max_staleness="
                                f"{self.max_staleness}. This is a bug in the rollout source")
         episodes = sorted((e for share in shares for e in share.content), key=lambda e: (e.prompt_index, e.sample))
-        rollouts = episode_rollouts(episodes, self.advantage_estimator)
+        rollouts = episode_rollouts(episodes, self.advantage_estimator, self.advantage_options)
         info = step_info(index, version, self._version, episodes, PrefixTree.from_rollouts(rollouts, validate=False))
         info.generation_sec = local.seconds if local is not None else 0.0
         info.wait_sec, info.requested_at = waited, requested

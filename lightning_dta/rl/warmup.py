@@ -98,7 +98,7 @@ def sft_warm_start(model: nn.Module, env: Environment, tokenizer: PreTrainedToke
         optimizer.zero_grad(set_to_none=True)
         with unsharded(model):
             tree_backward(model, tree, loss_fn, engine=engine,
-                          normalizer=tree_loss_normalizer(tree, loss_fn) * copies)
+                          normalizer=[n * copies for n in tree_loss_normalizer(tree, loss_fn)])
         reduce_gradients(model)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

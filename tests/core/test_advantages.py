@@ -138,3 +138,60 @@ def test_group_centring_is_safe_for_any_finite_reward_and_bitwise_for_ordinary_o
     assert [r.advantages for r in baseline] == [1e300, -1e300]
     with pytest.raises(RolloutError, match="field 'reward'.*overflows a float"):
         reinforce_baseline_advantages([Rollout(input_ids=[1, 2], reward=r) for r in (1.7e308, -1.7e308, -1.7e308)])
+
+
+def test_grpo_options_match_torch_per_convention():
+    """TRL/verl's unbiased std (torch.std), TRL's scale_rewards='batch' (one std of the whole step around its
+    mean, group means as baselines), a step-wide mean, and AReaL's token weighting, each against torch."""
+    rewards = [0.1, 0.9, 0.4, 0.3, 1.0, 0.0, 0.25, 0.75]
+    groups = ["a", "a", "a", "a", "b", "b", "c", "c"]
+    r = torch.tensor(rewards, dtype=torch.float64)
+    by_group = {"a": r[:4], "b": r[4:6], "c": r[6:]}
+    group_mean = torch.cat([by_group[g].mean().expand(len(by_group[g])) for g in "abc"])
+    group_std = torch.cat([by_group[g].std().expand(len(by_group[g])) for g in "abc"])  # unbiased
+    out = advantages(grpo_advantages(make(rewards, groups), eps=1e-4, std_unbiased=True))
+    assert out == pytest.approx(((r - group_mean) / (group_std + 1e-4)).tolist(), rel=1e-12)
+    out = advantages(grpo_advantages(make(rewards, groups), eps=1e-4, std_unbiased=True, std_over="step"))
+    assert out == pytest.approx(((r - group_mean) / (r.std() + 1e-4)).tolist(), rel=1e-12)
+    out = advantages(grpo_advantages(make(rewards, groups), mean_over="step", std_over="step", eps=0.0))
+    assert out == pytest.approx(((r - r.mean()) / r.std(unbiased=False)).tolist(), rel=1e-12)
+    lengths = [2, 5, 3, 4, 6, 2, 3, 3]  # trained tokens per rollout
+    rollouts = [Rollout(input_ids=list(range(1, n + 2)), reward=x, group_id=g)
+                for n, x, g in zip(lengths, rewards, groups)]
+    tokens = torch.repeat_interleave(r, torch.tensor(lengths))  # AReaL: one advantage per trained token
+    owner = torch.repeat_interleave(torch.arange(len(rewards)), torch.tensor(lengths))
+    expected = []
+    for i, g in enumerate(groups):
+        members = torch.tensor([j for j, h in enumerate(groups) if h == g])
+        x = tokens[torch.isin(owner, members)]
+        expected.append(float((r[i] - x.mean()) / (x.std() + 1e-5)))
+    out = advantages(grpo_advantages(rollouts, eps=1e-5, std_unbiased=True, weighting="token"))
+    assert out == pytest.approx(expected, rel=1e-12)
+
+
+def test_estimator_options_pass_through_and_bad_ones_are_refused():
+    step = make([1.0, 0.0, 0.5, 0.5], ["g", "g", "h", "h"])
+    assert advantages(estimate_advantages(step, "grpo", {"std_unbiased": True})) == \
+        advantages(grpo_advantages(step, std_unbiased=True))
+    with pytest.raises(ValueError, match="do not fit advantage_estimator='grpo'"):
+        estimate_advantages(step, "grpo", {"unbiased": True})
+    with pytest.raises(ValueError, match="takes none"):
+        estimate_advantages(step, None, {"std_unbiased": True})
+
+
+def test_whitening_is_verls_masked_whiten():
+    """(A - mean) / sqrt(var + 1e-8) over every trained (token, rollout) pair, var unbiased; untrained tokens and
+    the returns untouched."""
+    from lightning_dta.core.advantages import advantage_sums, whiten_advantages
+
+    rollouts = [Rollout(input_ids=[1, 2, 3, 4], loss_mask=[0, 1, 0, 1], advantages=[9.0, 0.5, 7.0, -1.0]),
+                Rollout(input_ids=[1, 2, 3], advantages=[0.0, 2.0, 0.25])]
+    values = torch.tensor([0.5, -1.0, 2.0, 0.25], dtype=torch.float64)
+    total, count = advantage_sums(rollouts)
+    assert count == 4 and total == pytest.approx(float(values.sum()))
+    squares, _ = advantage_sums(rollouts, center=total / count)
+    out = whiten_advantages(rollouts, total / count, squares / count * count / (count - 1))
+    expected = ((values - values.mean()) / torch.sqrt(values.var() + 1e-8)).tolist()
+    assert [out[0].advantages[1], out[0].advantages[3], out[1].advantages[1], out[1].advantages[2]] == \
+        pytest.approx(expected, rel=1e-12)
+    assert out[0].advantages[0] == 9.0 and out[0].advantages[2] == 7.0  # untrained

@@ -221,8 +221,8 @@ def test_external_normalizer_scales_the_gradient(llama64):
     loss_fn = dta.PolicyLoss()
     local = dta.tree_loss_normalizer(tree, loss_fn)
     base, g1 = engine_grads(llama64, tree, loss_fn, mode="dfs")
-    scaled, g2 = engine_grads(llama64, tree, loss_fn, mode="dfs", normalizer=3 * local)
-    assert base.normalizer == local and scaled.normalizer == 3 * local
+    scaled, g2 = engine_grads(llama64, tree, loss_fn, mode="dfs", normalizer=[3 * n for n in local])
+    assert base.normalizer == local and scaled.normalizer == tuple(3 * n for n in local)
     assert scaled.loss == pytest.approx(base.loss / 3)
     assert_grads_close({n: 3 * g for n, g in g2.items()}, g1, RTOL64, "normalizer")
 

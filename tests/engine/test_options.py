@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 
@@ -14,6 +15,7 @@ import lightning_dta as dta
 from lightning_dta.bench.cli import build_parser
 from lightning_dta.engine.options import choices
 
+OPTIONAL = {"lightning_dta.integrations.trl": "trl"}  # module -> the package its extra installs
 ENGINE_FIELDS = {f.name for f in dataclasses.fields(dta.EngineOptions)}
 LOSS_FIELDS = {f.name for f in dataclasses.fields(dta.PolicyLoss)}
 
@@ -51,6 +53,8 @@ def test_resolve_applies_overrides_and_accepts_a_mapping():
 def _package_callables():
     """Every function, method and class __init__ defined in the package."""
     for info in pkgutil.walk_packages(lightning_dta.__path__, "lightning_dta."):
+        if info.name in OPTIONAL and importlib.util.find_spec(OPTIONAL[info.name]) is None:
+            continue  # a module of an optional extra, without the extra installed
         module = importlib.import_module(info.name)
         for _, obj in inspect.getmembers(module):
             if getattr(obj, "__module__", None) != module.__name__:

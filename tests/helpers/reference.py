@@ -10,33 +10,75 @@ import torch
 import lightning_dta as dta
 
 
-def aggregate(per_rollout: list[tuple[torch.Tensor, int]], loss_fn) -> torch.Tensor:
-    """The step loss from each rollout's (sum of its token terms, its trained-token count), as docs/losses.md
-    defines every ``agg``."""
-    if loss_fn.agg == "token-mean":
+def aggregate(per_rollout: list[tuple[torch.Tensor, int]], loss_fn, agg: str | None = None) -> torch.Tensor:
+    """The step loss from each rollout's (sum of its token terms, its counted-token count), as docs/losses.md
+    defines every ``agg``; ``seq-mean-*`` runs over the rollouts with a counted token, or over all of them with
+    ``agg_rollouts="all"``."""
+    agg = agg or loss_fn.agg
+    if agg == "token-mean":
         return sum(s for s, _ in per_rollout) / max(sum(c for _, c in per_rollout), 1)
-    if loss_fn.agg == "sum":
+    if agg == "sum":
         return sum(s for s, _ in per_rollout)
     trained = [(s, c) for s, c in per_rollout if c > 0]
-    if loss_fn.agg == "seq-mean-token-mean":
-        return sum(s / c for s, c in trained) / max(len(trained), 1)
-    if loss_fn.agg == "seq-mean-token-sum-norm":
-        return sum(s / loss_fn.agg_norm_length for s, _ in trained) / max(len(trained), 1)
-    return sum(s for s, _ in trained) / max(len(trained), 1)
+    rollouts = len(per_rollout) if getattr(loss_fn, "agg_rollouts", "trained") == "all" else len(trained)
+    if agg == "seq-mean-token-mean":
+        return sum(s / c for s, c in trained) / max(rollouts, 1)
+    if agg == "seq-mean-token-sum-norm":
+        return sum(s / loss_fn.agg_norm_length for s, _ in trained) / max(rollouts, 1)
+    return sum(s for s, _ in trained) / max(rollouts, 1)
 
 
-def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss) -> torch.Tensor:
-    """The step loss as a differentiable scalar, computed rollout by rollout and token by token."""
+def _kept(rule, d: dict[int, float], trained: list[int]) -> set[int]:
+    """The trained tokens a rejection rule keeps, from each token's d = prox - old (clamped to [-20, 20])."""
+    d = {t: min(max(v, -20.0), 20.0) for t, v in d.items()}
+    if rule.metric == "ratio":
+        stat = dict(d)
+    elif rule.metric == "k2":
+        stat = {t: 0.5 * v * v for t, v in d.items()}
+    else:
+        stat = {t: math.exp(v) - 1.0 - v for t, v in d.items()}
+    if rule.level != "token" and trained:
+        values = [stat[t] for t in trained]
+        whole = {"sequence-sum": math.fsum(values), "sequence-mean": math.fsum(values) / len(values),
+                 "sequence-max": max(values)}[rule.level]
+        stat = dict.fromkeys(trained, whole)
+
+    def inside(value: float) -> bool:
+        if rule.metric != "ratio":
+            return value <= rule.upper
+        return (rule.lower is None or value >= math.log(rule.lower)) and \
+            (rule.upper is None or value <= math.log(rule.upper))
+
+    return {t for t in trained if inside(stat[t])}
+
+
+def _kl(loss_fn, logp: torch.Tensor, ref: float) -> torch.Tensor:
+    """The KL estimate of one token, as docs/losses.md defines kl_estimator."""
+    d = ref - logp
+    if loss_fn.kl_estimator == "k3":
+        return torch.exp(d) - d - 1
+    c = torch.clamp(d, -20, 20)
+    low_var = torch.clamp(torch.exp(c) - c - 1, -10, 10)
+    if loss_fn.kl_estimator == "low_var_kl":
+        return low_var
+    k2 = 0.5 * (logp - ref) ** 2
+    return k2 - k2.detach() + low_var.detach()
+
+
+def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """The step loss as a differentiable scalar, computed rollout by rollout and token by token, under
+    softmax(logits / temperature)."""
     eps_low = loss_fn.clip_eps
     eps_high = loss_fn.clip_eps if loss_fn.clip_eps_high is None else loss_fn.clip_eps_high
-    cap = loss_fn.importance_weight_cap
-    per_rollout = []  # (sum of m * l, sum of m)
+    cap, floor = loss_fn.importance_weight_cap, loss_fn.importance_weight_floor
+    main, bonus = [], []  # per rollout: (sum of the token terms, counted tokens)
     device = next(model.parameters()).device
     for r in rollouts:
         ids = torch.tensor([r.input_ids], device=device)
         logits = model(input_ids=ids).logits[0]
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        log_probs = torch.log_softmax(logits.to(dtype), dim=-1)
+        log_probs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
         n = len(r.input_ids)
         mask = [0] + [1] * (n - 1) if r.loss_mask is None else list(r.loss_mask)
         trained = [t for t in range(1, n) if mask[t]]
@@ -45,21 +87,40 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
                 for t in trained}
         proxs = {t: olds[t] if r.prox_logprobs is None else torch.tensor(r.prox_logprobs[t], dtype=dtype)
                  for t in trained}
-        if trained:  # the sequence-level quantities: geometric means over the rollout's trained tokens
-            seq_weight = torch.exp(sum(proxs[t] - olds[t] for t in trained) / len(trained))
-            seq_ratio = torch.exp(sum(logps[t].detach() - proxs[t] for t in trained) / len(trained))
+        # before the walk, from the given log-probs only: d = prox - old (0 where either is missing)
+        d = {t: 0.0 if r.old_logprobs is None or r.prox_logprobs is None else r.prox_logprobs[t] - r.old_logprobs[t]
+             for t in trained}
+        kept = set(trained)
+        for rule in loss_fn.rejection:
+            kept &= _kept(rule, d, trained)
+        kept_list = [t for t in trained if t in kept]
+        counted = len(trained) if loss_fn.rejection_keeps_normalizer else len(kept_list)
+        if trained:  # sequence-level weights: over the trained tokens before rejection
+            total_d = math.fsum(d.values())
+            seq_weight = {"sequence": math.exp(total_d / len(trained)),
+                          "sequence-product": math.exp(total_d)}.get(loss_fn.importance_level)
+        if kept_list:  # GSPO's ratio and the sequence-mean advantage: over the kept tokens
+            seq_ratio = torch.exp(sum(logps[t].detach() - proxs[t] for t in kept_list) / len(kept_list))
+            advs = [r.advantages if isinstance(r.advantages, (int, float)) else r.advantages[t] for t in kept_list]
+            mean_adv = math.fsum(advs) / len(advs)
         total = torch.zeros((), dtype=dtype, device=device)
-        for t in trained:
+        entropy_total = torch.zeros((), dtype=dtype, device=device)
+        for t in kept_list:
             logp, old, prox = logps[t], olds[t], proxs[t]
             adv = r.advantages if isinstance(r.advantages, (int, float)) else r.advantages[t]
-            if loss_fn.loss_mode == "gspo":
-                ratio = seq_ratio * torch.exp(logp - logp.detach())
+            if loss_fn.advantage_level == "sequence-mean":
+                adv = mean_adv
+            token_ratio = torch.exp(logp - prox)
+            ratio = seq_ratio * torch.exp(logp - logp.detach()) if loss_fn.loss_mode == "gspo" else token_ratio
+            if loss_fn.importance_level == "none":
+                weight = torch.ones((), dtype=dtype)
             else:
-                ratio = torch.exp(logp - prox)
-            weight = seq_weight if loss_fn.importance_level == "sequence" else torch.exp(prox - old)
-            if cap is not None and loss_fn.importance_weight_mode == "truncate":
-                weight = torch.clamp(weight, max=cap)
-            elif cap is not None and weight > cap:
+                weight = torch.exp(prox - old) if loss_fn.importance_level == "token" else \
+                    torch.tensor(seq_weight, dtype=dtype)
+            out_of_bounds = (cap is not None and weight > cap) or (floor is not None and weight < floor)
+            if loss_fn.importance_weight_mode == "truncate":
+                weight = torch.clamp(weight, min=floor, max=cap) if cap is not None or floor is not None else weight
+            elif out_of_bounds:
                 weight = torch.zeros_like(weight)
             clipped = ratio.clamp(1 - eps_low, 1 + eps_high)
             if loss_fn.loss_mode == "cispo":
@@ -71,20 +132,24 @@ def reference_loss(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn:
                 pg = -weight * surrogate
             term = pg
             if loss_fn.kl_coef and r.ref_logprobs is not None:
-                d = r.ref_logprobs[t] - logp
-                term = term + loss_fn.kl_coef * (torch.exp(d) - d - 1)
+                kl = _kl(loss_fn, logp, r.ref_logprobs[t])
+                term = term + loss_fn.kl_coef * (kl * token_ratio if loss_fn.kl_ratio_weighted else kl)
+            total = total + term
             if loss_fn.entropy_coef:
                 p = log_probs[t - 1].exp()
-                term = term - loss_fn.entropy_coef * -(p * log_probs[t - 1]).sum()
-            total = total + term
-        per_rollout.append((total, len(trained)))
-    return aggregate(per_rollout, loss_fn)
+                entropy_total = entropy_total + -(p * log_probs[t - 1]).sum()
+        main.append((total, counted))
+        bonus.append((entropy_total, counted))
+    loss = aggregate(main, loss_fn)
+    if loss_fn.entropy_coef:
+        loss = loss - loss_fn.entropy_coef * aggregate(bonus, loss_fn, loss_fn.entropy_agg or loss_fn.agg)
+    return loss
 
 
-def reference_grads(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss
-                    ) -> tuple[float, dict[str, torch.Tensor]]:
+def reference_grads(model: torch.nn.Module, rollouts: list[dta.Rollout], loss_fn: dta.PolicyLoss,
+                    temperature: float = 1.0) -> tuple[float, dict[str, torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    loss = reference_loss(model, rollouts, loss_fn)
+    loss = reference_loss(model, rollouts, loss_fn, temperature)
     loss.backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

@@ -5,8 +5,8 @@ clipping, SGD), before any process group exists, then joins the N-rank Trainer r
 weights, so matching results also prove the broadcast at setup. Each rank saves its gradients (after the
 cross-rank sum and the clipping), its updated weights, the reference and the logged loss to ``OUT/rank{r}.pt``.
 
-With ``--critic`` the module also trains a critic (GAE advantages from its values, rewards on the rollouts) and
-each rank saves the critic's weights: test_distributed compares 2 ranks with 1.
+With ``--critic`` the module also trains a critic (GAE advantages from its values, whitened over the whole step,
+rewards on the rollouts) and each rank saves the critic's weights: test_distributed compares 2 ranks with 1.
 
 Usage (from the repository root): python -m tests.lightning.dist_worker OUT DEVICES [EMPTY_RANK] [--critic]
 (the "dta" launcher re-runs it once per extra rank)
@@ -54,7 +54,7 @@ def main() -> None:
             value.get_output_embeddings().weight.fill_(0.01)
         initial = {n: p.detach().clone() for n, p in value.named_parameters()}
         critic = dict(critic=dta.PPOCritic(value, optimizer=functools.partial(torch.optim.SGD, lr=LR), gamma=0.9,
-                                           lam=0.8))
+                                           lam=0.8, whiten=True))
     module = dta.DTAModule(model, optimizer=functools.partial(torch.optim.SGD, lr=LR), gradient_clip_val=CLIP,
                            loss=dta.PolicyLoss(**LOSS), **critic)
     data = (_GAEData if with_critic else StepBatchData)(

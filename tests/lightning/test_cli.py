@@ -102,7 +102,7 @@ def test_a_step_with_a_non_finite_loss_is_skipped_on_both_ranks_and_named(tmp_pa
 
 def test_help_lists_the_subcommands_that_work() -> None:
     proc = subprocess.run([str(EXECUTABLE), "--help"], capture_output=True, text=True, timeout=120, env=clean_env())
-    assert proc.returncode == 0 and "{fit,plan,bench,export}" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and "{fit,plan,bench,export,convert}" in proc.stdout, proc.stdout
     with pytest.raises(SystemExit):
         cli.cli_main(["validate", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])  # no validation_step
 

@@ -65,8 +65,9 @@ def test_two_ranks_match_one_process(tmp_path: Path, empty_rank: int | None) -> 
 
 @pytest.mark.distributed
 def test_ppo_with_a_critic_on_two_ranks_matches_one(tmp_path: Path) -> None:
-    """GAE from each rank's own rollouts, the policy and the critic steps summed over ranks: 2 ranks end with the
-    1-rank weights of both models (the same float32 tolerance as above), and the critic really moved."""
+    """GAE from each rank's own rollouts, whitened with the step-wide mean and variance (all-reduced), the policy
+    and the critic steps summed over ranks: 2 ranks end with the 1-rank weights of both models (the same float32
+    tolerance as above), and the critic really moved."""
     for name in ("one", "two"):
         (tmp_path / name).mkdir()
     (one,) = run_worker(tmp_path / "one", 1, critic=True)

@@ -80,11 +80,10 @@ def test_batch_tree_and_normalizer() -> None:
     with pytest.raises(TypeError, match="StepBatch"):
         batch_tree([1, 2])
     trained = sum(sum(r.loss_mask[1:]) for r in rollouts)
-    assert step_normalizer(batch.tree, dta.PolicyLoss()) == trained
-    assert step_normalizer(None, dta.PolicyLoss()) == 0.0  # an empty rank adds nothing to the sum
-    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="seq-mean-token-mean")) == len(rollouts)
-    # "sum" has no normaliser: summing a 1 per rank would scale an N-rank gradient by 1/N
-    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="sum")) == 1.0
+    # (trained tokens, rollouts with a trained token, rollouts): counts, whatever agg, so they add over ranks
+    assert step_normalizer(batch.tree, dta.PolicyLoss()) == (trained, len(rollouts), len(rollouts))
+    assert step_normalizer(None, dta.PolicyLoss()) == (0.0, 0.0, 0.0)  # an empty rank adds nothing to the sum
+    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="sum")) == (trained, len(rollouts), len(rollouts))
 
 
 def test_a_step_that_asks_for_kl_without_any_reference_logprobs_is_refused() -> None:

@@ -281,3 +281,17 @@ def test_callback_refuses_inconsistent_set_ups():
     assert find(fake_trainer(source(), world_size=2), module) is not None  # N ranks: every rank runs the source
     with pytest.raises(TypeError, match="OnlineRolloutSource"):
         find(fake_trainer([[dta.Rollout(input_ids=[1, 2])]]), module)
+
+
+def test_advantage_options_reach_the_estimate_and_a_tempered_loss_is_refused():
+    """The estimator's options apply per episode (unbiased std: a group of two gets +-0.707, not +-1); a tempered
+    loss would compare the generator's temperature-1 log-probs with another policy: refused at attach."""
+    src = source(advantage_options={"std_unbiased": True, "eps": 0.0})
+    src.attach(tiny_policy())
+    advantages = sorted({round(float(r.advantages), 6) for r in src.next_step()})
+    assert advantages == [-0.707107, 0.707107], advantages
+    src.close()
+    with pytest.raises(ValueError, match="weighting='token'"):
+        source(advantage_options={"weighting": "token"})
+    with pytest.raises(ValueError, match="policy_temperature"):
+        source().attach(tiny_policy(), engine=dta.EngineOptions(policy_temperature=0.7))
