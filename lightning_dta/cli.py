@@ -79,11 +79,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     install()
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--traceback" in args:
-        args = [arg for arg in args if arg != "--traceback"]
-        os.environ[TRACEBACK] = "1"  # the ranks a launcher starts inherit it
-        if argv is None:
-            sys.argv[1:] = args  # LightningCLI, and the launcher that re-runs this command per rank, read sys.argv
+    if "--traceback" not in args:
+        return _run(args, argv)
+    args = [arg for arg in args if arg != "--traceback"]
+    if argv is None:
+        sys.argv[1:] = args  # LightningCLI, and the launcher that re-runs this command per rank, read sys.argv
+    before = os.environ.get(TRACEBACK)
+    os.environ[TRACEBACK] = "1"  # the ranks a launcher starts inherit it
+    try:
+        return _run(args, argv)
+    finally:  # called in-process (tests, notebooks): the next command prints no traceback unless asked
+        if before is None:
+            os.environ.pop(TRACEBACK, None)
+        else:
+            os.environ[TRACEBACK] = before
+
+
+def _run(args: list[str], argv: Sequence[str] | None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(usage(), end="")
         return 0 if args else 2
