@@ -153,17 +153,33 @@ def test_unsupported_settings_are_refused_at_construction(settings, match, model
                        processing_class=AutoTokenizer.from_pretrained(model_dir))
 
 
-def test_gradient_checkpointing_becomes_recompute(model_dir, tmp_path, caplog):
+def test_gradient_checkpointing_becomes_recompute(model_dir, tmp_path, monkeypatch):
+    import logging
+
     from datasets import Dataset
     from transformers import AutoTokenizer
 
+    from lightning_dta.integrations import trl as integration
+
+    # A handler on our logger itself, not pytest's caplog on the root: AReaL's logging setup (imported by
+    # tests/parity in the same session) reconfigures the root's handlers and disables loggers made before it.
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append
+    monkeypatch.setattr(integration.LOG, "disabled", False)
+    level = integration.LOG.level
+    integration.LOG.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the loggers' cached levels
+    integration.LOG.addHandler(handler)
     config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                             use_cpu=True, report_to=[], bf16=False)  # TRL's default: gradient_checkpointing=True
-    with caplog.at_level("INFO", logger="lightning_dta.integrations.trl"):
+    try:
         trainer = DTAGRPOTrainer(model=model_dir, reward_funcs=reward_t9, args=config,
                                  train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                                  processing_class=AutoTokenizer.from_pretrained(model_dir))
-    assert "recomputes" in caplog.text
+    finally:
+        integration.LOG.removeHandler(handler)
+        integration.LOG.setLevel(level)
+    assert any("recomputes" in record.getMessage() for record in records), records
     assert trainer.dta_engine.activation == "recompute" and not trainer.args.gradient_checkpointing
 
 
