@@ -94,6 +94,9 @@ STYLES: dict[str, tuple | str | None] = {
                   "hooks. Fix: a dense model without shared experts",
     "local_params": "it runs a whole module on local tensors, which needs transformers' own hooks. Fix: a model "
                     "without this entry",
+    # expert parallelism (transformers' base_model_ep_plan), registered beside the tensor-parallel styles
+    "grouped_gemm": "it shards mixture-of-experts weights for expert parallelism. Fix: a dense model",
+    "ep_dispatch_experts": "it dispatches tokens to experts on other ranks (expert parallelism). Fix: a dense model",
 }
 # Style names of earlier transformers releases (4.5x), gone in 5.24: their semantics are not this version's.
 _LEGACY = ("local_colwise", "local_rowwise", "local", "gather", "local_packed_rowwise", "isolated", "ep_router",

@@ -6,10 +6,14 @@ Imported by the tests and by ``dist_worker.py`` (which the tests run as a multi-
 from __future__ import annotations
 
 import copy
+import csv
 import os
 import random
 import signal
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
@@ -17,11 +21,14 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import lightning_dta as dta
 from lightning_dta.core.batch import StepBatch
+from tests.helpers import REPO
 
 VOCAB = 128
 TINY_LLAMA = dict(model_type="llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
+
+EXECUTABLE = Path(sys.executable).parent / "lightning-dta"  # the console script of [project.scripts]
 
 LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
                     "MASTER_PORT")
@@ -115,3 +122,45 @@ class SignalAtStep(Callback):
     def on_train_batch_end(self, trainer: Trainer, *args) -> None:
         if trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_cli(tmp_path: Path, *overrides: str, timeout: float = 300) -> list[dict[str, float]]:
+    """Run ``lightning-dta fit --config configs/tiny_cpu.yaml`` and return the metric rows of its CSV log."""
+    cmd = [str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml",
+           f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    (metrics,) = tmp_path.glob("tiny_cpu/version_*/metrics.csv")
+    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(open(metrics))]
+
+
+def step_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Lightning writes one CSV row per step (all metrics logged at that step merged)."""
+    return sorted((r for r in rows if "train/loss" in r), key=lambda r: r["step"])
+
+
+def run_name(strategy: str, devices: int, tensor_parallel: int = 1) -> str:
+    """The name of an ``fsdp_worker`` run's output files: ``{run_name}-rank{r}.pt``."""
+    return f"{strategy}-tp{tensor_parallel}-{devices}" if tensor_parallel > 1 else f"{strategy}-{devices}"
+
+
+def train_with_fsdp_worker(out: Path, strategy: str, devices: int, activation: str = "keep", steps: int = 3,
+                           *extra: str, tensor_parallel: int = 1, timeout: float = 300) -> list[dict]:
+    """Run ``tests/lightning/fsdp_worker.py`` (its options in ``extra``) and load what each rank saved."""
+    tp = ("--tensor-parallel", str(tensor_parallel)) if tensor_parallel > 1 else ()
+    cmd = [sys.executable, "-m", "tests.lightning.fsdp_worker", str(out), strategy, str(devices), activation,
+           str(steps), *tp, *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    name = run_name(strategy, devices, tensor_parallel)
+    return [torch.load(out / f"{name}-rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = 1e-5) -> float:
+    """Every tensor of ``a`` within ``rtol`` of ``b``'s (relative, per tensor); returns the worst error."""
+    worst = 0.0
+    for name, weight in b.items():
+        error = float((a[name] - weight).norm() / weight.norm().clamp(min=1e-30))
+        assert error <= rtol, (name, error)
+        worst = max(worst, error)
+    return worst

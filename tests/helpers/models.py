@@ -55,6 +55,10 @@ def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         config = GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=1, head_dim=8, max_position_embeddings=MAX_POS, **common)
         model = GemmaForCausalLM(config)
+    elif family == "gemma2kv":  # the same Gemma with 2 key/value heads: a tensor-parallel size of 2 divides them
+        config = GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS, **common)
+        model = GemmaForCausalLM(config)
     elif family in ("doge", "doge-eager"):  # builds its own dynamic attention bias and passes it as the mask
         # "doge": the default implementation (sdpa), causal only with transformers >= 5.18
         extra = dict(attn_implementation="eager") if family == "doge-eager" else {}

@@ -8,7 +8,10 @@ logits of the trained model on a fixed input.
 
 Usage (from the repository root):
     python -m tests.lightning.fsdp_worker OUT STRATEGY DEVICES ACTIVATION STEPS [--save CKPT] [--resume CKPT]
-        [--export DIR] [--model HF_DIR] [--keep-unsharded]
+        [--export DIR] [--model HF_DIR] [--keep-unsharded] [--tensor-parallel N]
+
+``--tensor-parallel N``: ``DTAFSDPStrategy(tensor_parallel_size=N)`` (tests/distributed/test_tp_checkpoints.py); the
+output file is then ``dta_fsdp-tpN-DEVICES-rankR.pt``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import lightning_dta as dta
 from lightning_dta.distributed.sharding import export_hf_checkpoint, full_parameters, state_bytes, unsharded
 from lightning_dta.lightning.data import RolloutDataModule
-from tests.helpers.lightning import TINY_LLAMA, grpo_rollouts
+from tests.helpers.lightning import TINY_LLAMA, grpo_rollouts, run_name
 
 CLIP = 0.2
 LOSS = dict(clip_eps=0.2, kl_coef=0.1)
@@ -56,9 +59,13 @@ def main() -> None:
     parser.add_argument("--export", default=None)
     parser.add_argument("--model", default=None, help="a local Hugging Face checkpoint instead of TINY_LLAMA")
     parser.add_argument("--keep-unsharded", action="store_true", help="DTAFSDPStrategy(reshard_after_forward=False)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, help="DTAFSDPStrategy(tensor_parallel_size=N)")
     args = parser.parse_args()
     torch.manual_seed(0)
-    strategy = dta.DTAFSDPStrategy(reshard_after_forward=False) if args.keep_unsharded else args.strategy
+    strategy = args.strategy
+    if args.keep_unsharded or args.tensor_parallel > 1:
+        strategy = dta.DTAFSDPStrategy(reshard_after_forward=not args.keep_unsharded,
+                                       tensor_parallel_size=args.tensor_parallel)
     module = dta.DTAModule(args.model or {**TINY_LLAMA}, loss=dta.PolicyLoss(**LOSS),
                            engine=dta.EngineOptions(activation=args.activation, chunk_size=3),
                            optimizer=functools.partial(torch.optim.AdamW, lr=3e-3), gradient_clip_val=CLIP)
@@ -78,7 +85,8 @@ def main() -> None:
     if args.export:
         export_hf_checkpoint(model, args.export)
     torch.save({"rows": record.rows, "weights": weights, "logits": logits, "world_size": trainer.world_size},
-               os.path.join(args.out, f"{args.strategy}-{args.devices}-rank{trainer.global_rank}.pt"))
+               os.path.join(args.out, f"{run_name(args.strategy, args.devices, args.tensor_parallel)}-rank"
+                                      f"{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,11 @@ from lightning_dta.core.advantages import grpo_advantages
 from lightning_dta.core.rollout import read_rollouts
 from lightning_dta.lightning.data import make_step_batch
 from tests import helpers
-from tests.helpers.lightning import clean_env
+from tests.helpers.lightning import EXECUTABLE, clean_env, run_cli, step_rows
 
 REPO = helpers.REPO
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 GPU_CONFIGS = [c for c in CONFIGS if "gpu" in c.name]
-EXECUTABLE = Path(sys.executable).parent / "lightning-dta"  # the console script of [project.scripts]
 THROUGHPUT = ("throughput/logical_tokens_per_sec", "throughput/tree_tokens_per_sec", "throughput/compression_ratio",
               "throughput/step_time_sec", "throughput/logical_tokens_per_sec_window")
 
@@ -33,22 +32,6 @@ THROUGHPUT = ("throughput/logical_tokens_per_sec", "throughput/tree_tokens_per_s
 def plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     """LightningCLI warns when pytest's own arguments sit in ``sys.argv`` next to ``args=``."""
     monkeypatch.setattr(sys, "argv", ["lightning-dta"])
-
-
-def run_cli(tmp_path: Path, *overrides: str) -> list[dict[str, float]]:
-    """Run ``lightning-dta fit --config configs/tiny_cpu.yaml`` and return the metric rows of its CSV log."""
-    env = clean_env()
-    cmd = [str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml",
-           f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (metrics,) = tmp_path.glob("tiny_cpu/version_*/metrics.csv")
-    return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(open(metrics))]
-
-
-def step_rows(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-    """Lightning writes one CSV row per step (all metrics logged at that step merged)."""
-    return sorted((r for r in rows if "train/loss" in r), key=lambda r: r["step"])
 
 
 def test_fit_tiny_cpu(tmp_path: Path) -> None:

@@ -17,26 +17,11 @@ import torch
 from lightning_dta.core.errors import ConfigError
 from tests import helpers
 from tests.helpers.lightning import StepBatchData, clean_env, grpo_rollouts, rank_batch, tiny_llama
+from tests.helpers.lightning import close_weights as close
+from tests.helpers.lightning import train_with_fsdp_worker as train
 
 pytestmark = pytest.mark.distributed
 RTOL = 1e-5
-
-
-def train(out: Path, strategy: str, devices: int, activation: str = "keep", steps: int = 3, *extra: str) -> list:
-    cmd = [sys.executable, "-m", "tests.lightning.fsdp_worker", str(out), strategy, str(devices), activation,
-           str(steps), *extra]
-    proc = subprocess.run(cmd, cwd=helpers.REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return [torch.load(out / f"{strategy}-{devices}-rank{r}.pt", weights_only=False) for r in range(devices)]
-
-
-def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], rtol: float = RTOL) -> float:
-    worst = 0.0
-    for name, weight in b.items():
-        error = float((a[name] - weight).norm() / weight.norm().clamp(min=1e-30))
-        assert error <= rtol, (name, error)
-        worst = max(worst, error)
-    return worst
 
 
 @pytest.fixture(scope="module")
