@@ -88,6 +88,7 @@ def resume_and_export(tmp_path: Path, devices: int) -> None:
     torch.testing.assert_close(logits, before["logits"], **LOGITS)
 
 
+@pytest.mark.long  # about 70 s; the default suite resumes and exports dta_fsdp (tests/lightning/test_fsdp.py)
 def test_tp2_load_resume_and_export(tmp_path: Path) -> None:
     """TP 2 on 2 processes (data-parallel size 1: FSDP2 over a 1-rank dimension, the TP shards as they are)."""
     resume_and_export(tmp_path, 2)
