@@ -82,13 +82,6 @@ def batch_tree(batch: StepBatch | PrefixTree | None) -> PrefixTree | None:
     raise TypeError(f"expected a StepBatch, a PrefixTree or None as the step's batch, got {type(batch).__name__}")
 
 
-def step_normalizer(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
-                    layout: ParallelLayout | None = None) -> tuple[float, ...]:
-    """The loss normalisers of the whole step: this rank's counts summed elementwise over the data-parallel ranks
-    (one collective; see :func:`step_totals`)."""
-    return step_totals(tree, loss_fn, device, layout)[0]
-
-
 def step_totals(tree: PrefixTree | None, loss_fn: Objective, device: torch.device | str = "cpu",
                 layout: ParallelLayout | None = None) -> tuple[tuple[float, ...], list[float]]:
     """The step's loss normalisers and, for each of ``loss_fn.step_fields``, the rollouts of the whole step that

@@ -106,7 +106,7 @@ class PPOCritic(nn.Module):
         device, group = collective_device(self.model), layout.data_parallel_group
         total, count = all_reduce_sum(advantage_sums(estimated), device, group=group)
         if count < 2:
-            raise ValueError(f"PPOCritic(whiten=True) needs at least 2 trained tokens in the step, got {int(count)} "
+            raise ConfigError(f"PPOCritic(whiten=True) needs at least 2 trained tokens in the step, got {int(count)} "
                              "(the unbiased variance of fewer is undefined). Fix: whiten=False, or larger steps")
         mean = total / count
         squares, _ = all_reduce_sum(advantage_sums(estimated, center=mean), device, group=group)

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_dta as dta
 from lightning_dta.core.errors import ConfigError
-from lightning_dta.distributed.step import batch_tree, step_normalizer
+from lightning_dta.distributed.step import batch_tree, step_totals
 from lightning_dta.lightning.step import check_dfs_setup
 from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, tiny_llama
 
@@ -81,9 +81,9 @@ def test_batch_tree_and_normalizer() -> None:
         batch_tree([1, 2])
     trained = sum(sum(r.loss_mask[1:]) for r in rollouts)
     # (trained tokens, rollouts with a trained token, rollouts): counts, whatever agg, so they add over ranks
-    assert step_normalizer(batch.tree, dta.PolicyLoss()) == (trained, len(rollouts), len(rollouts))
-    assert step_normalizer(None, dta.PolicyLoss()) == (0.0, 0.0, 0.0)  # an empty rank adds nothing to the sum
-    assert step_normalizer(batch.tree, dta.PolicyLoss(agg="sum")) == (trained, len(rollouts), len(rollouts))
+    assert step_totals(batch.tree, dta.PolicyLoss())[0] == (trained, len(rollouts), len(rollouts))
+    assert step_totals(None, dta.PolicyLoss())[0] == (0.0, 0.0, 0.0)  # an empty rank adds nothing to the sum
+    assert step_totals(batch.tree, dta.PolicyLoss(agg="sum"))[0] == (trained, len(rollouts), len(rollouts))
 
 
 def test_a_step_that_asks_for_kl_without_any_reference_logprobs_is_refused() -> None:
