@@ -81,11 +81,11 @@ class DTAFSDPStrategy(RankWatchdogMixin, ModelParallelStrategy):
                  signal_grace_sec: float = DEFAULT_SIGNAL_GRACE_SEC) -> None:
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) \
                 or tensor_parallel_size < 1:
-            raise ConfigError(f"DTAFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): use a positive int "
-                             "(1: no tensor parallelism)")
+            raise ConfigError(f"DTAFSDPStrategy(tensor_parallel_size={tensor_parallel_size!r}): the ranks of one "
+                              "tensor-parallel group. Fix: a positive int (1: no tensor parallelism)")
         if walk_gradient_dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"DTAFSDPStrategy(walk_gradient_dtype={walk_gradient_dtype!r}): choose 'float32' or "
-                             "'bfloat16'")
+            raise ConfigError(f"DTAFSDPStrategy(walk_gradient_dtype={walk_gradient_dtype!r}) is unknown. Fix: "
+                              "'float32' or 'bfloat16'")
         super().__init__(data_parallel_size="auto", tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
