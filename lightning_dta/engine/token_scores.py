@@ -40,7 +40,7 @@ class TokenScores(torch.autograd.Function):
             lse[a:b] = torch.logsumexp(block, dim=-1)
             if with_entropy:
                 log_p = block - lse[a:b, None]
-                entropy[a:b] = -(log_p.exp() * log_p).sum(-1)
+                entropy[a:b] = -(log_p.exp() * _finite(log_p)).sum(-1)
         picked = _scaled(logits.gather(1, targets.t()).t(), dtype, temperature)  # [R, C]
         ctx.save_for_backward(logits, targets, lse, entropy)
         ctx.dtype, ctx.temperature = dtype, temperature
@@ -66,11 +66,17 @@ class TokenScores(torch.autograd.Function):
                 grad.scatter_add_(1, targets[:, a:b].t(), g.t())
             if grad_entropy is not None:
                 # H = -sum p log p  =>  dH / d logits[v] = -p[v] * (log p[v] + H)
-                grad -= grad_entropy[a:b, None].to(dtype) * p * (log_p + entropy[a:b, None])
+                grad -= grad_entropy[a:b, None].to(dtype) * p * (_finite(log_p) + entropy[a:b, None])
             if temperature != 1.0:  # d (logits / T) / d logits = 1 / T
                 grad = grad / temperature
             grad_logits[a:b] = grad.to(logits.dtype)
         return grad_logits, None, None, None, None
+
+
+def _finite(log_p: torch.Tensor) -> torch.Tensor:
+    """``log_p`` with ``-inf`` (a logit of ``-inf``: a masked token, probability exactly 0) read as 0, so that the
+    entropy's ``p log p`` and its gradient ``p (log p + H)`` are 0 there, their limit as p -> 0, not 0 * -inf = NaN."""
+    return log_p.masked_fill(log_p == float("-inf"), 0.0)
 
 
 def _scaled(logits: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:

@@ -33,6 +33,30 @@ def test_matches_log_softmax_values_and_gradients(monkeypatch, block):
     torch.testing.assert_close(got, logits.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_masked_tokens_have_no_entropy_and_no_gradient(temperature):
+    """A logit of -inf (a masked vocabulary entry) has probability 0: the entropy and every gradient equal those of
+    the distribution over the other entries (the reference drops the masked columns), with no NaN."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 9, dtype=torch.float64)
+    masked = torch.zeros(9, dtype=torch.bool)
+    masked[[1, 4, 8]] = True
+    logits[:, masked] = float("-inf")
+    logits.requires_grad_()
+    kept = torch.arange(9)[~masked]
+    targets = kept[torch.randint(0, len(kept), (3, 6))]
+    w_logp, w_ent = torch.randn(3, 6, dtype=torch.float64), torch.randn(6, dtype=torch.float64)
+    logp, entropy = ts.token_scores(logits, targets, torch.float64, temperature=temperature)
+    ((logp * w_logp).sum() + (entropy * w_ent).sum()).backward()
+    finite = logits.detach()[:, kept].requires_grad_()
+    ref_logp, ref_ent = reference(finite / temperature, torch.searchsorted(kept, targets))
+    ((ref_logp * w_logp).sum() + (ref_ent * w_ent).sum()).backward()
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(entropy, ref_ent, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logits.grad[:, kept], finite.grad, rtol=1e-10, atol=1e-12)
+    assert torch.equal(logits.grad[:, masked], torch.zeros(6, 3, dtype=torch.float64))
+
+
 def test_gradcheck():
     torch.manual_seed(1)
     logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
