@@ -204,6 +204,43 @@ def test_a_skipped_step_does_not_step_the_schedule(tmp_path: Path) -> None:
     assert fit.global_step == 2 and module.lr_schedulers().last_epoch == 2
 
 
+# Every PolicyLoss option that adds a term to the policy-gradient one (the KL in each estimator, the ratio-weighted
+# KL, the entropy bonus with verl's and TRL's aggregations), and the bonus under each loss mode.
+TERM_OPTIONS = {
+    "kl-k3": dict(kl_coef=0.1),
+    "kl-low_var_kl": dict(kl_coef=0.1, kl_estimator="low_var_kl"),
+    "kl-k3+": dict(kl_coef=0.1, kl_estimator="k3+"),
+    "kl-ratio-weighted": dict(kl_coef=0.1, kl_ratio_weighted=True),
+    "entropy-verl": dict(entropy_coef=0.01),
+    "entropy-trl": dict(entropy_coef=0.01, entropy_agg="token-mean"),
+    "entropy-gspo": dict(entropy_coef=0.01, loss_mode="gspo"),
+    "entropy-cispo": dict(entropy_coef=0.01, loss_mode="cispo"),
+    "kl-and-entropy": dict(kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("options", TERM_OPTIONS.values(), ids=TERM_OPTIONS.keys())
+def test_a_non_finite_step_is_skipped_and_named_whatever_terms_the_loss_adds(tmp_path: Path, options: dict) -> None:
+    """Rollout 2 of a group has behaviour log-probs of -1e4 and a negative advantage: its ratio exp(logp + 1e4) is
+    inf and so is its policy term (CISPO's: its decoupled weight). The step is skipped (weights unchanged, no
+    optimizer step) and the warning names that rollout alone. The diagnosis used to hand the loss entropy=None, and
+    the bonus crashed on it (AttributeError)."""
+    rollouts = grpo_rollouts(groups=1)
+    rollouts[2].advantages, rollouts[2].old_logprobs = -1.0, [-1e4] * len(rollouts[2])
+    if options.get("loss_mode") == "cispo":  # its ratio is clipped before it weighs: the decoupled weight overflows
+        rollouts[2].prox_logprobs = [-1.0] * len(rollouts[2])  # w = exp(prox - old) = exp(9999)
+    model = tiny_llama()
+    module = dta.DTAModule(copy.deepcopy(model), loss=dta.PolicyLoss(**options),
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    fit = trainer(tmp_path, 1, max_epochs=1)  # one epoch of one batch: a skipped step is not retried
+    with pytest.warns(RuntimeWarning, match=r"batch 0 skipped on every rank .*non-finite loss terms in rollouts "
+                                            rf"\['2 \({len(rollouts[2])} tokens, group 0\)'\]"):
+        fit.fit(module, StepBatchData(lambda t: [rank_batch(rollouts, 0, 1)]))
+    assert fit.global_step == 0
+    for name, weight in module.model.named_parameters():
+        torch.testing.assert_close(weight.detach(), model.get_parameter(name), rtol=0, atol=0)
+
+
 def test_clipping_optimizer_and_model_settings_are_refused_when_the_module_is_built() -> None:
     """A negative gradient_clip_val used to be skipped by Lightning's clipping and to flip the critic's gradient in
     torch's clip_grad_norm_; a negative learning rate surfaced only at setup, as a traceback."""
