@@ -9,8 +9,9 @@ fills the ``old_values`` of the rollouts that carry none with one forward-only w
 with :class:`~lightning_dta.ValueLoss`, summed over ranks like the policy.
 
 ``old_values`` given in the data win: they are the critic's values when the rollout was generated (a rollout
-file's, or a producer's), so they are GAE's baseline and the value clip's anchor, as in PPO, where both are the
-values of the generation batch however many steps it feeds. The critic fills only the rollouts without them. The
+file's or an iterable source's; the online source records none), so they are GAE's baseline and the value clip's
+anchor, as in PPO, where both are the values of the generation batch however many steps it feeds. The critic
+fills only the rollouts without them. The
 source's own rollouts are never written to: a file's are read again next epoch, and values written into them
 would then pass for recorded ones.
 
