@@ -60,7 +60,7 @@ class TokenData:
     seq_log_weight: torch.Tensor | None = None  # [R, 1]: the objective's per-rollout log-weight (StepTokens)
     seq_log_ratio: torch.Tensor | None = None  # [R, 1]: mean over the rollout's trained tokens of logp - prox
     returns: torch.Tensor | None = None  # [R, L]: the critic's targets
-    old_values: torch.Tensor | None = None  # [R, L]: the critic's values at scoring time, NaN where not given
+    old_values: torch.Tensor | None = None  # [R, L]: the critic's values at generation time, NaN where not given
 
 
 @dataclass

@@ -78,7 +78,8 @@ class Rollout:
         reward: scalar reward, used by advantage estimators.
         group_id: rollouts with the same id form a group (GRPO).
         returns: the critic's regression target of each token (index 0 ignored), e.g. from GAE.
-        old_values: the critic's values when the rollout was scored (index 0 ignored), for value clipping.
+        old_values: the critic's values when the rollout was generated (index 0 ignored): GAE's baseline and the
+            value clip's anchor; ``PPOCritic`` keeps them when given and fills them when not.
     """
 
     input_ids: list[int]

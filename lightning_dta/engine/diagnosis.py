@@ -23,7 +23,9 @@ def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: Objective,
                        engine: EngineOptions | None = None) -> list[int]:
     """Indices (in ``tree.rollouts``) of the rollouts with a non-finite loss term under the current weights.
 
-    The entropy term is left out (it needs the logits); a non-finite log-prob itself counts.
+    The entropy bonus is evaluated at zero entropy, i.e. left out: the walk keeps log-probs, not logits. A
+    position's entropy lies in [0, log V] when its logits are finite, and a NaN or +inf logit makes the
+    log-normaliser, so every log-prob at that position, non-finite: a non-finite log-prob counts on its own.
     """
     logprobs = tree_logprobs(model, tree, engine=engine)
     step = StepData(tree, loss_fn)
@@ -39,7 +41,9 @@ def nonfinite_rollouts(model: nn.Module, tree: PrefixTree, loss_fn: Objective,
             bad.append(index)
             continue
         data = targets.data  # on the CPU: StepData's default device
-        term = loss_fn(values.to(data.mask.dtype), None, data, dict.fromkeys(loss_fn.metric_sums, 0.0))
+        values = values.to(data.mask.dtype)
+        no_entropy = torch.zeros_like(values)  # [1, L]: the bonus left out (docstring)
+        term = loss_fn(values, no_entropy, data, dict.fromkeys(loss_fn.metric_sums, 0.0))
         if not math.isfinite(float(term)):
             bad.append(index)
     return bad

@@ -3,9 +3,17 @@
 Advantages have one owner per run: the step source (file, iterable or online generation) estimates group-relative
 advantages before the step is partitioned, and a critic estimates GAE inside the training step, when its values
 of the step's own rollouts are known. That second job is this class's, not the policy module's: each step it
-fills the rollouts' ``old_values`` with one forward-only walk (:func:`~lightning_dta.tree_values`), writes GAE's
-advantages and returns into them (:func:`~lightning_dta.core.advantages.gae_advantages`), and after the policy's
-step trains itself on the same tree with :class:`~lightning_dta.ValueLoss`, summed over ranks like the policy.
+fills the ``old_values`` of the rollouts that carry none with one forward-only walk
+(:func:`~lightning_dta.tree_values`), gives the step's tree copies of the rollouts with GAE's advantages and returns
+(:func:`~lightning_dta.core.advantages.gae_advantages`), and after the policy's step trains itself on the same tree
+with :class:`~lightning_dta.ValueLoss`, summed over ranks like the policy.
+
+``old_values`` given in the data win: they are the critic's values when the rollout was generated (a rollout
+file's or an iterable source's; the online source records none), so they are GAE's baseline and the value clip's
+anchor, as in PPO, where both are the values of the generation batch however many steps it feeds. The critic
+fills only the rollouts without them. The
+source's own rollouts are never written to: a file's are read again next epoch, and values written into them
+would then pass for recorded ones.
 
 Its optimizer is a plain torch optimizer, not one of Lightning's: a second ``LightningOptimizer.step()`` would
 count twice in ``global_step`` (``max_steps``, the online loop's policy version). Its state travels in the module's
@@ -26,6 +34,7 @@ from lightning_dta.contracts import ParallelLayout
 from lightning_dta.core.advantages import advantage_sums, gae_advantages, whiten_advantages
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import ValueLoss
+from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import all_reduce_sum, collective_device
 from lightning_dta.distributed.step import StepOutput, clip_by_norm, gradient_norm, tree_step_backward
@@ -85,20 +94,28 @@ class PPOCritic(nn.Module):
             self.model = value_model(build_causal_lm(self.spec, kwargs))
 
     def estimate(self, tree: PrefixTree | None, engine: EngineOptions, layout: ParallelLayout | None = None) -> None:
-        """The critic's values on the step's tree (one forward-only walk), then GAE: each rollout's advantages
-        and returns, in place (the tree's rollouts are this step's own); with ``whiten``, the advantages whitened
-        with the mean and variance of the whole step (every rank calls this, also one without a tree: it joins
-        the all-reduces)."""
+        """GAE on the step's tree: the tree's rollouts become copies with ``old_values`` (the recorded ones where
+        given, else the critic's, module docstring), GAE's advantages and returns; with ``whiten``, the advantages
+        whitened with the mean and variance of the whole step (every rank calls this, also one without a tree: it
+        joins the all-reduces)."""
         estimated = []
         if tree is not None:
-            for rollout, values in zip(tree.rollouts, tree_values(self.model, tree, engine=engine)):
-                rollout.old_values = [0.0] + values.double().cpu().tolist()
-            estimated = gae_advantages(tree.rollouts, self.gamma, self.lam)
+            estimated = gae_advantages(self._with_values(tree, engine), self.gamma, self.lam)
         if self.whiten:
             estimated = self._whitened(estimated, layout or ParallelLayout())
         if tree is not None:
-            for rollout, done in zip(tree.rollouts, estimated):
-                rollout.advantages, rollout.returns = done.advantages, done.returns
+            tree.rollouts[:] = estimated  # the tree's own list: the source's rollouts stay as they were
+
+    def _with_values(self, tree: PrefixTree, engine: EngineOptions) -> list[Rollout]:
+        """The tree's rollouts, those without ``old_values`` copied with the critic's (one forward-only walk over
+        them alone; entry 0, which no state precedes, is 0)."""
+        rollouts = list(tree.rollouts)
+        missing = [index for index, rollout in enumerate(rollouts) if rollout.old_values is None]
+        if missing:
+            for index, values in zip(missing, tree_values(self.model, tree.subset(missing), engine=engine)):
+                values = [0.0] + values.double().cpu().tolist()
+                rollouts[index] = dataclasses.replace(rollouts[index], old_values=values)
+        return rollouts
 
     def _whitened(self, estimated: list, layout: ParallelLayout) -> list:
         """GAE's advantages whitened with the step-wide mean and unbiased variance (sums over the data-parallel

@@ -100,8 +100,9 @@ class DTAModule(DFSStepMixin, LightningModule):
         max_nonfinite_skips: a step whose loss or gradient norm is not finite is skipped on every rank (a warning
             names the rollouts with non-finite terms); this many skipped steps in a row stop the run.
         critic: PPO with a learned baseline (:class:`~lightning_dta.PPOCritic`: its model, optimizer, value loss and
-            GAE's gamma and lambda; in YAML ``critic: {model: ..., gamma: ...}``). Each step the critic's values and
-            GAE set the advantages, the policy trains, then the critic trains on the same tree. Needs
+            GAE's gamma and lambda; in YAML ``critic: {model: ..., gamma: ...}``). Each step the values (recorded in
+            the rollouts, else the critic's) and GAE set the advantages, the policy trains, then the critic trains
+            on the same tree. Needs
             ``advantage_estimator: gae`` on the step source (it leaves the advantages to the critic).
     """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import functools
 import os
 from pathlib import Path
@@ -133,52 +134,117 @@ class _GAEData(StepBatchData):
     advantage_estimator = "gae"  # what the module checks on the data side before training a critic
 
 
-def test_a_step_with_a_critic_equals_the_hand_written_ppo_step(tmp_path: Path) -> None:
-    """DTAModule(critic=...): values from the critic, GAE (its closed form here), the policy step on those
-    advantages and the critic step on those returns (clipped value loss, SGD), as written out by hand."""
+def _rewarded_rollouts_and_critic() -> tuple[list[dta.Rollout], torch.nn.Module]:
+    """GRPO-like rollouts with random rewards, and a critic whose head is not zero (values differ by position)."""
     rollouts = grpo_rollouts()
     rng = torch.Generator().manual_seed(0)
     for rollout in rollouts:
         rollout.reward = float(torch.rand((), generator=rng))
-    model, critic = tiny_llama(), dta.value_model(tiny_llama(seed=1))
+    critic = dta.value_model(tiny_llama(seed=1))
     with torch.no_grad():
         critic.get_output_embeddings().weight.normal_(0, 0.3, generator=rng)
-    gamma, lam, value_loss = 0.9, 0.8, dta.ValueLoss(clip_eps=0.01)
+    return rollouts, critic
 
-    expected = [copy.deepcopy(r) for r in rollouts]  # GAE by hand from each rollout's own critic forward
-    for r in expected:
-        with torch.no_grad():
-            values = critic(input_ids=torch.tensor([r.input_ids])).logits[0, :, 0].tolist()
-        r.old_values = [0.0] + values[:-1]
-        steps = [t for t, m in enumerate(r.loss_mask) if m]
-        v = [r.old_values[t] for t in steps] + [0.0]
-        deltas = [(r.reward if k == len(steps) - 1 else 0.0) + gamma * v[k + 1] - v[k] for k in range(len(steps))]
-        r.advantages, r.returns = [0.0] * len(r), [0.0] * len(r)
-        for k, t in enumerate(steps):
-            r.advantages[t] = sum((gamma * lam) ** j * deltas[k + j] for j in range(len(steps) - k))
-            r.returns[t] = r.advantages[t] + v[k]
+
+def _critic_values(critic: torch.nn.Module, rollout: dta.Rollout) -> list[float]:
+    """The rollout's values by its own forward: token t's state is the head's output at position t - 1."""
+    with torch.no_grad():
+        values = critic(input_ids=torch.tensor([rollout.input_ids])).logits[0, :, 0].tolist()
+    return [0.0] + values[:-1]
+
+
+def _gae_by_hand(rollout: dta.Rollout, gamma: float, lam: float) -> dta.Rollout:
+    """A copy with GAE's advantages and returns in their closed form, from the rollout's old_values and reward."""
+    r = copy.deepcopy(rollout)
+    steps = [t for t, m in enumerate(r.loss_mask) if m]
+    v = [r.old_values[t] for t in steps] + [0.0]
+    deltas = [(r.reward if k == len(steps) - 1 else 0.0) + gamma * v[k + 1] - v[k] for k in range(len(steps))]
+    r.advantages, r.returns = [0.0] * len(r), [0.0] * len(r)
+    for k, t in enumerate(steps):
+        r.advantages[t] = sum((gamma * lam) ** j * deltas[k + j] for j in range(len(steps) - k))
+        r.returns[t] = r.advantages[t] + v[k]
+    return r
+
+
+def _critic_module(model: torch.nn.Module, critic: torch.nn.Module, value_loss: dta.ValueLoss, gamma: float,
+                   lam: float) -> dta.DTAModule:
+    """The module of the hand-written PPO step below: SGD for both models, both clipped to a norm of 0.05."""
+    return dta.DTAModule(copy.deepcopy(model), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                         gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS),
+                         critic=dta.PPOCritic(copy.deepcopy(critic), optimizer=functools.partial(torch.optim.SGD,
+                                              lr=0.3), value_loss=value_loss, gamma=gamma, lam=lam))
+
+
+def _assert_hand_written_ppo_step(module: dta.DTAModule, model: torch.nn.Module, critic: torch.nn.Module,
+                                  expected: list[dta.Rollout], value_loss: dta.ValueLoss) -> None:
+    """The module's weights after one step: the policy step on ``expected``'s advantages and the critic step on
+    its returns (clipped value loss around its old_values), SGD, written out by hand."""
     ref_policy = reference_step(model, expected, LOSS, lr=0.5, clip=0.05)
     ref_critic = copy.deepcopy(critic)
     reference_value_loss(ref_critic, expected, value_loss).backward()
     torch.nn.utils.clip_grad_norm_(ref_critic.parameters(), 0.05)
     torch.optim.SGD(ref_critic.parameters(), lr=0.3).step()
-
-    module = dta.DTAModule(copy.deepcopy(model), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
-                           gradient_clip_val=0.05, loss=dta.PolicyLoss(**LOSS),
-                           critic=dta.PPOCritic(copy.deepcopy(critic), optimizer=functools.partial(torch.optim.SGD,
-                                                lr=0.3), value_loss=value_loss, gamma=gamma, lam=lam))
-    data = _GAEData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
-    fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
-    fit.fit(module, data)
-    assert fit.global_step == 1  # the critic's optimizer step is not counted
     for name, p in module.model.named_parameters():
         torch.testing.assert_close(p.detach(), ref_policy["weights"][name], rtol=1e-5, atol=1e-7)
     for (name, p), q in zip(module.critic.named_parameters(), ref_critic.parameters()):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _logged(fit: L.Trainer) -> dict[str, float]:
     rows = list(csv.DictReader(open(Path(fit.logger.log_dir) / "metrics.csv")))
-    logged = {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}
+    return {k: float(v) for row in rows for k, v in row.items() if v not in ("", None)}
+
+
+def test_a_step_with_a_critic_equals_the_hand_written_ppo_step(tmp_path: Path) -> None:
+    """DTAModule(critic=...): values from the critic, GAE (its closed form here), the policy step on those
+    advantages and the critic step on those returns (clipped value loss, SGD), as written out by hand."""
+    rollouts, critic = _rewarded_rollouts_and_critic()
+    model, gamma, lam, value_loss = tiny_llama(), 0.9, 0.8, dta.ValueLoss(clip_eps=0.01)
+    expected = [_gae_by_hand(dataclasses.replace(r, old_values=_critic_values(critic, r)), gamma, lam)
+                for r in rollouts]
+    module = _critic_module(model, critic, value_loss, gamma, lam)
+    data = _GAEData(lambda t: [rank_batch(rollouts, t.global_rank, t.world_size)])
+    fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    fit.fit(module, data)
+    assert fit.global_step == 1  # the critic's optimizer step is not counted
+    _assert_hand_written_ppo_step(module, model, critic, expected, value_loss)
+    logged = _logged(fit)
     # old_values are this step's own values: with one optimizer step per batch the value clip never binds
     assert logged["critic/value_clip_fraction"] == 0 and logged["critic/loss"] > 0
+
+
+def test_old_values_in_a_rollout_file_are_gaes_baseline_and_the_value_clips_anchor(tmp_path: Path) -> None:
+    """Values recorded at generation time win: rollouts 0-5 of the file carry old_values 0.5 above the critic's
+    (clip_eps 0.05, so the clip binds), and they are GAE's V and ValueLoss's anchor; the critic fills only
+    rollouts 6-11. The step equals the hand-written one on those values, and its critic loss is the definition's,
+    not the one on the critic's own values (what PPOCritic.estimate used to train on: it overwrote every rollout's
+    old_values). The source's rollouts are left as read (a file's are read again each epoch)."""
+    rollouts, critic = _rewarded_rollouts_and_critic()
+    model, gamma, lam, value_loss = tiny_llama(), 0.9, 0.8, dta.ValueLoss(clip_eps=0.05)
+    own = [_critic_values(critic, r) for r in rollouts]
+    for rollout, values in zip(rollouts[:6], own):
+        rollout.old_values = [v + 0.5 for v in values]
+    path = tmp_path / "rollouts.jsonl"
+    dta.write_rollouts(path, rollouts)
+    expected = [_gae_by_hand(r if r.old_values else dataclasses.replace(r, old_values=values), gamma, lam)
+                for r, values in zip(rollouts, own)]
+    overwritten = [_gae_by_hand(dataclasses.replace(r, old_values=values), gamma, lam)
+                   for r, values in zip(rollouts, own)]
+
+    module = _critic_module(model, critic, value_loss, gamma, lam)
+    data = RolloutDataModule(path=path, advantage_estimator="gae")
+    fit = trainer(tmp_path, 1, logger=CSVLogger(tmp_path), log_every_n_steps=1)
+    fit.fit(module, data)
+    _assert_hand_written_ppo_step(module, model, critic, expected, value_loss)
+    logged = _logged(fit)
+    with torch.no_grad():
+        want, before = (float(reference_value_loss(critic, r, value_loss)) for r in (expected, overwritten))
+    assert logged["critic/loss"] == pytest.approx(want, rel=1e-5)
+    assert abs(want - before) > 0.1 * want
+    assert logged["critic/value_clip_fraction"] > 0
+    (_, read), = data.source.steps(0, 0, data.limits)
+    assert [r.old_values for r in read] == [r.old_values for r in rollouts] and read[6].old_values is None
+    assert [r.advantages for r in read] == [r.advantages for r in rollouts]
 
 
 def test_a_critic_and_gae_come_together(tmp_path: Path) -> None:
@@ -202,6 +268,43 @@ def test_a_skipped_step_does_not_step_the_schedule(tmp_path: Path) -> None:
     with pytest.warns(RuntimeWarning, match="batch 1 skipped on every rank"):
         fit.fit(module, data)
     assert fit.global_step == 2 and module.lr_schedulers().last_epoch == 2
+
+
+# Every PolicyLoss option that adds a term to the policy-gradient one (the KL in each estimator, the ratio-weighted
+# KL, the entropy bonus with verl's and TRL's aggregations), and the bonus under each loss mode.
+TERM_OPTIONS = {
+    "kl-k3": dict(kl_coef=0.1),
+    "kl-low_var_kl": dict(kl_coef=0.1, kl_estimator="low_var_kl"),
+    "kl-k3+": dict(kl_coef=0.1, kl_estimator="k3+"),
+    "kl-ratio-weighted": dict(kl_coef=0.1, kl_ratio_weighted=True),
+    "entropy-verl": dict(entropy_coef=0.01),
+    "entropy-trl": dict(entropy_coef=0.01, entropy_agg="token-mean"),
+    "entropy-gspo": dict(entropy_coef=0.01, loss_mode="gspo"),
+    "entropy-cispo": dict(entropy_coef=0.01, loss_mode="cispo"),
+    "kl-and-entropy": dict(kl_coef=0.1, entropy_coef=0.01),
+}
+
+
+@pytest.mark.parametrize("options", TERM_OPTIONS.values(), ids=TERM_OPTIONS.keys())
+def test_a_non_finite_step_is_skipped_and_named_whatever_terms_the_loss_adds(tmp_path: Path, options: dict) -> None:
+    """Rollout 2 of a group has behaviour log-probs of -1e4 and a negative advantage: its ratio exp(logp + 1e4) is
+    inf and so is its policy term (CISPO's: its decoupled weight). The step is skipped (weights unchanged, no
+    optimizer step) and the warning names that rollout alone. The diagnosis used to hand the loss entropy=None, and
+    the bonus crashed on it (AttributeError)."""
+    rollouts = grpo_rollouts(groups=1)
+    rollouts[2].advantages, rollouts[2].old_logprobs = -1.0, [-1e4] * len(rollouts[2])
+    if options.get("loss_mode") == "cispo":  # its ratio is clipped before it weighs: the decoupled weight overflows
+        rollouts[2].prox_logprobs = [-1.0] * len(rollouts[2])  # w = exp(prox - old) = exp(9999)
+    model = tiny_llama()
+    module = dta.DTAModule(copy.deepcopy(model), loss=dta.PolicyLoss(**options),
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    fit = trainer(tmp_path, 1, max_epochs=1)  # one epoch of one batch: a skipped step is not retried
+    with pytest.warns(RuntimeWarning, match=r"batch 0 skipped on every rank .*non-finite loss terms in rollouts "
+                                            rf"\['2 \({len(rollouts[2])} tokens, group 0\)'\]"):
+        fit.fit(module, StepBatchData(lambda t: [rank_batch(rollouts, 0, 1)]))
+    assert fit.global_step == 0
+    for name, weight in module.model.named_parameters():
+        torch.testing.assert_close(weight.detach(), model.get_parameter(name), rtol=0, atol=0)
 
 
 def test_clipping_optimizer_and_model_settings_are_refused_when_the_module_is_built() -> None:
