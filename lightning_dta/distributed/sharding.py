@@ -14,6 +14,9 @@ ranks with trees of 5 and 7 backwards). So an engine call on a sharded model run
    every rank: FSDP reduce-scatters each unit's accumulated gradient once (a SUM: every rank already divided its
    loss by the whole step's normaliser), and reshards.
 
+Afterwards every unit has its own ``reshard_after_forward`` back, so a forward outside a step (validation, a
+callback) reshards as the model was sharded to.
+
 The alternative, a reduce-scatter after every backward, needs the same number of backwards on every rank
 (``docs/lightning.md`` has the measured trade). It saves the unsharded gradient buffer but sends a unit's
 gradient once per pop instead of once per step; BENCHMARKS.md counts both.
@@ -173,19 +176,42 @@ def unsharded(model: nn.Module, training: bool = True) -> Iterator[None]:
         yield
         return
     root = units[0]
-    root.set_reshard_after_forward(False)
     root.set_reshard_after_backward(False)
     root.set_requires_gradient_sync(False)
-    for unit in units:
-        unit.unshard()
+    with _kept_unsharded_after_forward(units):
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+            if not training:
+                for unit in units:
+                    unit.reshard()
+
+
+@contextlib.contextmanager
+def _kept_unsharded_after_forward(units: list[nn.Module]) -> Iterator[None]:
+    """Switch FSDP2's reshard-after-forward off on every unit for the block, then put back each unit's own setting.
+
+    The setting must come back: a forward outside a step (validation, a callback, generation) would otherwise keep
+    a full replica of every unit on every rank. It is saved and restored per unit, since a child may differ from the
+    root (an int reshards to a smaller group; FSDP2 keeps a root unsharded after forward when it chose the root's
+    setting itself). ``set_reshard_after_forward`` has no getter, so the state behind it is saved: each parameter
+    group's post-forward mesh, and whether FSDP2 chooses the setting (its root rule is applied again on restore: the
+    root may have been found, by its first forward, inside the block)."""
+    states = [unit._get_fsdp_state() for unit in units]
+    saved = [(state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in state._fsdp_param_groups])
+             for state in states]
+    units[0].set_reshard_after_forward(False)  # every unit (recursive)
     try:
         yield
     finally:
-        root.set_requires_gradient_sync(True)
-        root.set_reshard_after_backward(True)
-        if not training:
-            for unit in units:
-                unit.reshard()
+        for state, (auto, meshes) in zip(states, saved):
+            state._auto_reshard_after_forward = auto
+            for group, mesh in zip(state._fsdp_param_groups, meshes):
+                group.post_forward_mesh_info = None if auto and state._is_root else mesh
 
 
 def reduce_gradients(model: nn.Module) -> None:
@@ -198,7 +224,8 @@ def reduce_gradients(model: nn.Module) -> None:
     root.set_requires_gradient_sync(True)
     root.set_reshard_after_backward(True)
     device = next(p.device for p in model.parameters())
-    with torch.enable_grad():
+    # still unsharded from the walk: resharding after this forward would all-gather every unit again for its backward
+    with _kept_unsharded_after_forward(units), torch.enable_grad():
         logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False).logits
         (logits.float().sum() * 0.0).backward()
     for unit in units:
