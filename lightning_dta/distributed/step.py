@@ -35,6 +35,7 @@ from lightning_dta.distributed.collectives import (
     all_gather_floats,
     all_reduce_sum,
     collective_device,
+    mesh_device,
     sum_gradients,
     synchronize,
     world_size,
@@ -186,6 +187,7 @@ def gradient_norm(parameters: Iterable[nn.Parameter], layout: ParallelLayout | N
     for key, square in squares.items():
         if key is not None:
             mesh, placements = key
+            square = square.to(mesh_device(mesh))  # CPU offload: CPU gradients on a CUDA mesh (NCCL)
             for dim, placement in enumerate(placements):
                 if not placement.is_replicate():  # split (or pending a sum) along this dimension
                     torch.distributed.all_reduce(square, group=mesh.get_group(dim))
