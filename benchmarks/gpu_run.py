@@ -81,6 +81,7 @@ SMOKE_RUNS = (
              "--grpo-response-len 8,16 --agent-episodes 1 --agent-turns 3 --agent-system-len 96 "
              "--agent-thinking-len 8,16"),
 )
+# tests/gpu: the kernels (test_cuda.py) and dta_fsdp's CPU offload on an NCCL rank (test_cpu_offload.py)
 GPU_TESTS = "-m gpu tests/gpu tests/lightning/test_accelerate.py"
 SMOKE_TESTS = "tests/gpu"  # skipped without CUDA: the plumbing only
 

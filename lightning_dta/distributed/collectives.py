@@ -63,6 +63,15 @@ def collective_device(tensor_or_module: torch.Tensor | nn.Module) -> torch.devic
     return device
 
 
+def mesh_device(mesh) -> torch.device:
+    """Where the tensors of a collective over ``mesh`` (a ``DeviceMesh``) must live: on the mesh's device type (NCCL's
+    mesh: this process's CUDA device), whatever the device of the tensor they come from. A DTensor's local part
+    need not be there: FSDP2's CPU offload keeps shards and their gradients in CPU memory on a CUDA mesh."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work so that wall-clock time covers it (no-op on the CPU)."""
     if device.type == "cuda":

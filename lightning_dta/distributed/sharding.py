@@ -14,6 +14,9 @@ ranks with trees of 5 and 7 backwards). So an engine call on a sharded model run
    every rank: FSDP reduce-scatters each unit's accumulated gradient once (a SUM: every rank already divided its
    loss by the whole step's normaliser), and reshards.
 
+Afterwards every unit has its own ``reshard_after_forward`` back, so a forward outside a step (validation, a
+callback) reshards as the model was sharded to.
+
 The alternative, a reduce-scatter after every backward, needs the same number of backwards on every rank
 (``docs/lightning.md`` has the measured trade). It saves the unsharded gradient buffer but sends a unit's
 gradient once per pop instead of once per step; BENCHMARKS.md counts both.
@@ -38,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_dta.core.errors import UsageError
+from lightning_dta.distributed.collectives import mesh_device
 
 try:  # FSDP2 (torch >= 2.4); the package works without it (``dta`` replicates)
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -124,7 +128,7 @@ def sharded_copy(model: nn.Module) -> nn.Module:
     if layout is None:
         raise ShardingError("this model was parallelized outside lightning_dta.parallelize_model, so its sharding "
                             "cannot be repeated for a copy. Fix: parallelize it with lightning_dta.parallelize_model")
-    device = next(p.device for p in model.parameters())
+    device = compute_device(model)
     buffers = dict(model.named_buffers())
     frozen = apply_layout(_empty_like(model, next(model.parameters()).dtype), layout)
     materialize(frozen, device, buffers)
@@ -132,10 +136,17 @@ def sharded_copy(model: nn.Module) -> nn.Module:
     return frozen.requires_grad_(False).eval()
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """The device ``model`` computes on: a sharded model's mesh device (under CPU offload its shards live in CPU
+    memory between uses), else the device of its parameters."""
+    first = next(model.parameters())
+    return mesh_device(first.device_mesh) if DTensor is not None and isinstance(first, DTensor) else first.device
+
+
 def unsharded_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
-    """An ordinary (unsharded) copy of a sharded model on its device, e.g. for a generator: parameters gathered one
-    at a time (a collective: every rank calls it), cast to ``dtype`` (default the compute dtype of the shards)."""
-    device = next(p.device for p in model.parameters())
+    """An ordinary (unsharded) copy of a sharded model on its compute device, e.g. for a generator: parameters
+    gathered one at a time (a collective: every rank calls it), cast to ``dtype`` (default the dtype of the shards)."""
+    device = compute_device(model)
     dtype = dtype or next(model.parameters()).dtype
     empty = _empty_like(model, dtype)
     empty.to_empty(device=device)
@@ -173,19 +184,42 @@ def unsharded(model: nn.Module, training: bool = True) -> Iterator[None]:
         yield
         return
     root = units[0]
-    root.set_reshard_after_forward(False)
     root.set_reshard_after_backward(False)
     root.set_requires_gradient_sync(False)
-    for unit in units:
-        unit.unshard()
+    with _kept_unsharded_after_forward(units):
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            root.set_requires_gradient_sync(True)
+            root.set_reshard_after_backward(True)
+            if not training:
+                for unit in units:
+                    unit.reshard()
+
+
+@contextlib.contextmanager
+def _kept_unsharded_after_forward(units: list[nn.Module]) -> Iterator[None]:
+    """Switch FSDP2's reshard-after-forward off on every unit for the block, then put back each unit's own setting.
+
+    The setting must come back: a forward outside a step (validation, a callback, generation) would otherwise keep
+    a full replica of every unit on every rank. It is saved and restored per unit, since a child may differ from the
+    root (an int reshards to a smaller group; FSDP2 keeps a root unsharded after forward when it chose the root's
+    setting itself). ``set_reshard_after_forward`` has no getter, so the state behind it is saved: each parameter
+    group's post-forward mesh, and whether FSDP2 chooses the setting (its root rule is applied again on restore: the
+    root may have been found, by its first forward, inside the block)."""
+    states = [unit._get_fsdp_state() for unit in units]
+    saved = [(state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in state._fsdp_param_groups])
+             for state in states]
+    units[0].set_reshard_after_forward(False)  # every unit (recursive)
     try:
         yield
     finally:
-        root.set_requires_gradient_sync(True)
-        root.set_reshard_after_backward(True)
-        if not training:
-            for unit in units:
-                unit.reshard()
+        for state, (auto, meshes) in zip(states, saved):
+            state._auto_reshard_after_forward = auto
+            for group, mesh in zip(state._fsdp_param_groups, meshes):
+                group.post_forward_mesh_info = None if auto and state._is_root else mesh
 
 
 def reduce_gradients(model: nn.Module) -> None:
@@ -197,8 +231,9 @@ def reduce_gradients(model: nn.Module) -> None:
     root = units[0]
     root.set_requires_gradient_sync(True)
     root.set_reshard_after_backward(True)
-    device = next(p.device for p in model.parameters())
-    with torch.enable_grad():
+    device = compute_device(model)
+    # still unsharded from the walk: resharding after this forward would all-gather every unit again for its backward
+    with _kept_unsharded_after_forward(units), torch.enable_grad():
         logits = model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False).logits
         (logits.float().sum() * 0.0).backward()
     for unit in units:
@@ -213,9 +248,12 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` for every parameter and buffer, one at a time: a sharded one is all-gathered (a
     collective: every rank must iterate, in the same order) and freed before the next, so no rank ever holds more
-    than one full tensor besides its shards."""
+    than one full tensor besides its shards. Full tensors are on the mesh's device (the compute device)."""
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        yield name, tensor.full_tensor() if DTensor is not None and isinstance(tensor, DTensor) else tensor
+        if DTensor is not None and isinstance(tensor, DTensor):
+            device = mesh_device(tensor.device_mesh)  # CPU offload: the shard is in CPU memory, the gather on the mesh
+            tensor = (tensor if tensor.device == device else tensor.to(device)).full_tensor()
+        yield name, tensor
 
 
 def state_bytes(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer] = ()) -> dict[str, int]:

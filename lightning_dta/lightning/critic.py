@@ -131,7 +131,7 @@ class PPOCritic(nn.Module):
 
     def step(self, tree: PrefixTree | None, engine: EngineOptions, layout: ParallelLayout,
              clip_val: float | None, clip_algorithm: str) -> StepOutput:
-        """One optimizer step of the critic on the step's tree, clipped like the policy (torch's own clipping)."""
+        """One optimizer step of the critic on the step's tree, clipped like the policy (by the logged norm)."""
         optimizer = self._ensure_optimizer()
         optimizer.zero_grad(set_to_none=True)
         out = tree_step_backward(self.model, tree, self.value_loss, engine=engine, layout=layout)

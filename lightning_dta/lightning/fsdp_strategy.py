@@ -54,7 +54,7 @@ class DTAFSDPStrategy(RankWatchdogMixin, ModelParallelStrategy):
         reshard_after_forward: FSDP2's option for forwards outside the DFS step (the step keeps every unit
             unsharded from its first forward to its last backward, whatever this says).
         cpu_offload: keep the shards (and their optimizer state) in CPU memory between their uses on the GPU (FSDP2
-            ``CPUOffloadPolicy``; GPU only, not run here).
+            ``CPUOffloadPolicy``; GPU only: ``tests/gpu/test_cpu_offload.py``).
         save_distributed_checkpoint: checkpoints as a folder of per-rank shards (default) or one gathered file.
         tensor_parallel_size: split every weight over this many ranks (1: none); the world is then a 2-D mesh
             (``data_parallel`` x ``tensor_parallel``, Lightning's ``ModelParallelStrategy`` names; tensor-parallel

@@ -2,10 +2,11 @@
 
 :func:`dfs_training_step` is the framework-free gradient of the step
 (:func:`lightning_dta.distributed.step.tree_step_backward`: the loss-normaliser all-reduce, the DFS, one gradient sum
-over the data-parallel ranks) plus what Lightning adds: clipping through the precision plugin and the
-``LightningOptimizer`` step that counts ``global_step``. It is what :class:`~lightning_dta.lightning.module.DTAModule`
-calls; :class:`DFSStepMixin` gives an existing ``LightningModule`` the step as a method. The ranks' layout (the
-data-parallel group, the bucket size) comes from the strategy's :class:`~lightning_dta.contracts.ParallelLayout`.
+over the data-parallel ranks) plus what Lightning adds: clipping (by norm: by the step's one gradient norm, the
+logged one; by value: through the precision plugin) and the ``LightningOptimizer`` step that counts
+``global_step``. It is what :class:`~lightning_dta.lightning.module.DTAModule` calls; :class:`DFSStepMixin` gives
+an existing ``LightningModule`` the step as a method. The ranks' layout (the data-parallel group, the bucket size)
+comes from the strategy's :class:`~lightning_dta.contracts.ParallelLayout`.
 
 Why ``tree_backward`` and not ``manual_backward`` per node: Lightning's ``manual_backward`` fires the
 ``on_before_backward``/``on_after_backward`` hooks of the module and of every callback on each call, and a DFS
@@ -128,11 +129,11 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
     """One complete optimizer step from a manual-optimization ``LightningModule``'s ``training_step``.
 
     Zeroes the gradients, runs :func:`~lightning_dta.distributed.step.tree_step_backward` (normaliser all-reduce,
-    DFS, one gradient sum over ranks), clips with ``module.clip_gradients`` (Lightning's own clipping, through the
-    precision plugin) and
-    steps the ``LightningOptimizer`` (so ``trainer.global_step`` counts it). Learning-rate schedulers are left
-    to the caller, as always in manual optimization. Nothing is logged: the returned :class:`StepOutput`
-    holds step-wide metrics, identical on every rank, for the caller to log.
+    DFS, one gradient sum over ranks), clips (by norm: by the gradient norm it returns, in at least float32,
+    :func:`~lightning_dta.distributed.step.clip_by_norm`; by value: ``module.clip_gradients``, Lightning's own
+    clipping through the precision plugin) and steps the ``LightningOptimizer`` (so ``trainer.global_step`` counts
+    it). Learning-rate schedulers are left to the caller, as always in manual optimization. Nothing is logged: the
+    returned :class:`StepOutput` holds step-wide metrics, identical on every rank, for the caller to log.
 
     Args:
         module: the calling ``LightningModule`` (``automatic_optimization = False``), attached to a Trainer.
@@ -168,7 +169,7 @@ def dfs_training_step(module: pl.LightningModule, batch: StepBatch | PrefixTree 
             if tree is not None:
                 out.nonfinite_rollouts = nonfinite_rollouts(model, tree, loss_fn or PolicyLoss(), engine)
         return out
-    if gradient_clip_val and gradient_clip_algorithm == "norm":  # the norm is known: torch's scaling by it
+    if gradient_clip_val and gradient_clip_algorithm == "norm":  # by the norm just logged: one figure for both
         clip_by_norm(model.parameters(), gradient_clip_val, out.grad_norm)
     elif gradient_clip_val:
         module.clip_gradients(opt, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm)

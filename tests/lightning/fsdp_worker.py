@@ -3,8 +3,8 @@
 The step data: three steps of GRPO-like rollouts partitioned across the ranks by ``RolloutDataModule`` (so every
 rank walks a different tree), the last step with one rollout only (one rank is empty). AdamW (sharded optimizer
 state), clipping below the gradient norm (clipping is active). Each rank saves its logged loss and gradient norm
-per step, the full trained weights, the bytes of parameters / gradients / optimizer state it holds, and the
-logits of the trained model on a fixed input.
+and FSDP2's all-gathers per step, the full trained weights, the bytes of parameters / gradients / optimizer state
+it holds, and the logits of the trained model on a fixed input.
 
 Usage (from the repository root):
     python -m tests.lightning.fsdp_worker OUT STRATEGY DEVICES ACTIVATION STEPS [--save CKPT] [--resume CKPT]
@@ -22,6 +22,7 @@ import os
 
 import lightning as L
 import torch
+import torch.distributed as dist
 
 import lightning_dta as dta
 from lightning_dta.distributed.sharding import export_hf_checkpoint, full_parameters, state_bytes, unsharded
@@ -37,13 +38,27 @@ def steps() -> list[list[dta.Rollout]]:
 
 
 class Record(L.Callback):
+    """Per step: the logged loss and gradient norm, whether this rank had a tree, the bytes it holds, and the
+    all-gathers FSDP2 ran (counted at ``torch.distributed.all_gather_single``, which FSDP2 calls)."""
+
     def __init__(self) -> None:
         self.rows: list[dict] = []
+        self.gathers = 0
+        gather = dist.all_gather_single
+
+        def counted(*args, **kwargs):
+            self.gathers += 1
+            return gather(*args, **kwargs)
+
+        dist.all_gather_single = counted
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.gathers = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         metrics = trainer.callback_metrics
         self.rows.append({"loss": float(metrics["train/loss"]), "grad_norm": float(metrics["train/grad_norm"]),
-                          "had_tree": batch.tree is not None,
+                          "had_tree": batch.tree is not None, "all_gathers": self.gathers,
                           "bytes": state_bytes(pl_module.model, [o.optimizer for o in [pl_module.optimizers()]])})
 
 

@@ -47,6 +47,7 @@ def test_sharded_steps_equal_one_process(replicated: dict, sharded: dict, activa
             assert row["loss"] == pytest.approx(ref["loss"], rel=RTOL)
             assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)
             assert row["grad_norm"] > 0.2  # above the clip threshold: clipping acted on every step
+            assert row["all_gathers"] == 3  # each unit once (2 decoder layers and the root), also for the reduction
         close(rank["weights"], reference["weights"])
     torch.testing.assert_close(ranks[0]["logits"], reference["logits"], rtol=1e-4, atol=1e-5)
 
@@ -158,3 +159,32 @@ def test_registered_and_refusals(tmp_path: Path) -> None:
     strategy.precision_plugin = type("Fp16", (), {"precision": "16-mixed"})()
     with pytest.raises(ConfigError, match="16-mixed"):
         strategy.setup(None)
+
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_forward_after_a_step_follows_the_strategys_reshard_setting(tmp_path: Path,
+                                                                       reshard_after_forward: bool) -> None:
+    """The step keeps every unit unsharded from its first forward to its last backward, then every unit gets its own
+    ``reshard_after_forward`` back: with True a forward outside the step (validation, a callback) leaves each rank
+    its shards only (it used to keep a full replica of every unit, for good, after the first step); with False it
+    keeps the units unsharded. One rank: the state of the units is the same on any number."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    import lightning_dta as dta
+
+    module = dta.DTAModule(tiny_llama())
+    trainer = L.Trainer(strategy=dta.DTAFSDPStrategy(reshard_after_forward=reshard_after_forward), accelerator="cpu",
+                        devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
+    model = module.model
+    assert trainer.global_step == 1
+    assert all(isinstance(p, DTensor) for p in model.parameters())  # the step ends sharded
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 17, 33, 2]]))
+    # an unsharded unit holds its full plain tensors in place of the DTensor shards; every unit (the 2 decoder layers
+    # and the root's embeddings, norm and head) follows the setting
+    assert [isinstance(p, DTensor) for p in model.parameters()] == \
+        [reshard_after_forward] * len(list(model.parameters()))

@@ -345,6 +345,36 @@ def test_64_true_trains_in_float64_with_the_hand_written_step(tmp_path: Path) ->
         torch.testing.assert_close(weight.detach(), want["weights"][name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_bf16_true_clips_by_the_logged_float32_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One gradient norm, in float32 or better, both clips and is logged. bfloat16 gradients used to be clipped by
+    torch's ``clip_grad_norm_``, which computes its own norm (and factor) in bfloat16: 551 of the 26,784 clipped
+    entries differed from the gradient scaled by the logged norm's factor."""
+    import lightning_dta.lightning.step as step_module
+
+    seen = {}
+    clip_by_norm = step_module.clip_by_norm
+
+    def observed(parameters, max_norm: float, norm: float) -> None:
+        parameters = list(parameters)
+        seen.update(before=[p.grad.clone() for p in parameters], norm=norm)
+        clip_by_norm(parameters, max_norm, norm)
+        seen["after"] = [p.grad.clone() for p in parameters]
+
+    monkeypatch.setattr(step_module, "clip_by_norm", observed)
+    clip = 0.05
+    module = dta.DTAModule(tiny_llama(), gradient_clip_val=clip, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    fit = trainer(tmp_path, 1, precision="bf16-true")
+    fit.fit(module, StepBatchData(lambda t: [rank_batch(grpo_rollouts(), 0, 1)]))
+    before, after, norm = seen["before"], seen["after"], seen["norm"]
+    assert {g.dtype for g in before} == {torch.bfloat16}
+    assert float(fit.callback_metrics["train/grad_norm"]) == pytest.approx(norm, rel=1e-7)  # logged as float32
+    assert norm == pytest.approx(sum(float(g.double().square().sum()) for g in before) ** 0.5, rel=1e-6)
+    assert norm > clip  # clipping acts
+    factor = torch.tensor(clip / (norm + 1e-6), dtype=torch.float32)  # torch's factor, from the logged norm
+    expected = [(grad.float() * factor).bfloat16() for grad in before]  # scaled in float32, rounded once
+    assert sum(int((clipped != want).sum()) for clipped, want in zip(after, expected)) == 0
+
+
 def test_16_mixed_on_the_cpu_trains_with_prefix_attention(tmp_path: Path) -> None:
     """Lightning turns 16-mixed into bf16-mixed on a CPU; the kernels' self-check used to fail on the mixed dtypes
     of autocast and fall back to the model's attention (a KernelCheckWarning)."""
