@@ -325,8 +325,8 @@ def _config_reason(config) -> str | None:
     # Where layer_types say which layers slide (Qwen2, Qwen3), use_sliding_window=False leaves a window unused;
     # without them the forward reads the window alone (Qwen3-MoE's mask and attention, Mistral's), whatever the flag.
     # optional config fields: not every model family has them
-    if getattr(config, "sliding_window", None) is not None and \
-            (not layer_types or getattr(config, "use_sliding_window", True)):
+    window, flag = getattr(config, "sliding_window", None), getattr(config, "use_sliding_window", True)
+    if window is not None and (not layer_types or flag):
         return "the model uses a sliding attention window"
     # optional config fields: not every model family has them
     if getattr(config, "attn_logit_softcapping", None) is not None:
