@@ -16,26 +16,40 @@
 #   DRY_RUN=1 bash benchmarks/gpu.sh        # the plan: every bench run's FLOP estimate and budget; runs nothing
 #   SMOKE=1 bash benchmarks/gpu.sh          # the same phases at toy sizes on the CPU (CI runs this)
 #
-# The device image has torch, transformers, lightning, accelerate, pytest, pytest-xdist, pytest-timeout and
-# PyYAML, but not jsonargparse (which the bench CLI parses with) nor docstring-parser (its field help), and no
-# network. Carry their wheels in .whl/ (git-ignored; 0.2 MiB together, pure Python; jsonargparse needs only
-# PyYAML, which the image has):
+# The device image has torch 2.11 (a CUDA build), transformers, lightning, accelerate, pytest, pytest-xdist,
+# pytest-timeout and PyYAML, but not jsonargparse (which the bench CLI parses with) nor docstring-parser (its field
+# help), and no network. The package is not pip-installed: the tree goes on PYTHONPATH, so nothing can replace the
+# image's torch or reach for the network, and benchmarks/gpu_requirements.py then checks what pip would have (the
+# requirements of pyproject.toml) and every torch API the package calls; anything missing refuses the run at the start
+# (exit status 2) with its name. Carry the two wheels in .whl/ (git-ignored; 0.2 MiB together, pure Python;
+# jsonargparse needs only PyYAML, which the image has):
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl jsonargparse==4.53.0 docstring-parser==0.18.0
-# and name .whl in the device call's carry; this script installs them from there, without the network:
+# and name .whl in the device call's carry; this script installs them from there, without the network and without
+# their dependencies (DRY_RUN=1 prints the install step):
 #   ARCHIVE=$OUT/gpu.tgz bash benchmarks/gpu.sh 2>&1 | tee $OUT/gpu.log
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 OUT_DIR="${OUT:-bench_out}/gpu"
+WHEELS="${WHEELS:-.whl}"
+SITE=/tmp/lightning_dta_site
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the package from this tree, not installed
 mkdir -p "$OUT_DIR"
+install=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE")
+echo "install: the package from $PWD on PYTHONPATH (no pip install of it, nor of torch); jsonargparse and" \
+  "docstring-parser where absent: ${install[*]} $WHEELS/*.whl"
 if ! "$PY" -c "import jsonargparse, docstring_parser" 2>/dev/null; then
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/lightning_dta_site \
-      .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/lightning_dta_site"
+  if [ "${DRY_RUN:-}" = 1 ]; then
+    echo "DRY_RUN: jsonargparse or docstring-parser is absent; the run would install $WHEELS/*.whl as above"
+  elif compgen -G "$WHEELS/*.whl" >/dev/null; then
+    "${install[@]}" "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:$SITE"
   else
-    echo "jsonargparse is not installed and .whl/ holds no wheels: the bench runs will be skipped (see above)"
+    echo "jsonargparse is not installed and $WHEELS/ holds no wheels: the bench runs will be skipped (see above)"
   fi
+fi
+if ! "$PY" benchmarks/gpu_requirements.py; then
+  echo "benchmarks/gpu.sh: refused at the start: this Python cannot run the package (above)" >&2
+  exit 2
 fi
 "$PY" benchmarks/gpu_run.py --out "$OUT_DIR" --python "$PY"
 status=$?

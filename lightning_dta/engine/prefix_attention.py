@@ -290,7 +290,11 @@ REPLACEABLE = frozenset({"sdpa", "eager", "flash_attention_2", "flash_attention_
 
 def unsupported_reason(model: nn.Module, configs: tuple) -> str | None:
     """Why the model's configuration rules prefix attention out (``None``: nothing does; :func:`probe` decides).
-    ``configs``: :func:`attention_configs` of the model."""
+    ``configs``: :func:`attention_configs` of the model.
+
+    Decided here, before the walk, from every attention module and every config they read: a sliding window only
+    shows at a call whose keys outrun it, which the 2-token probe never makes, and a refusal in the middle of a
+    walk cannot fall back to the model's attention (``prefix_attention=None`` promises that it does)."""
     if not configs:
         return "no attention module has a layer_idx"
     implementations = {original_implementation(c) for c in configs}
@@ -300,14 +304,32 @@ def unsupported_reason(model: nn.Module, configs: tuple) -> str | None:
     # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for each in {id(c): c for c in (text, *configs) if c is not None}.values():
+        if reason := _config_reason(each):
+            return reason
+    for module in model.modules():
+        # transformers' attention modules carry a layer_idx, and the window they pass to attention (the config's
+        # field, or None for a full-attention layer: Qwen3-MoE reads the field whatever use_sliding_window says)
+        window = getattr(module, "sliding_window", None) if getattr(module, "layer_idx", None) is not None else None
+        if window is not None:
+            return f"{type(module).__name__} of layer {module.layer_idx} has a {window}-token sliding window"
+    return None
+
+
+def _config_reason(config) -> str | None:
+    """Why one config rules prefix attention out (``None``: it does not)."""
     # optional config fields: not every model family has them
-    if any(kind != "full_attention" for kind in getattr(text, "layer_types", None) or ()):
+    layer_types = getattr(config, "layer_types", None)
+    if any(kind != "full_attention" for kind in layer_types or ()):
         return "the model has sliding-window or other non-full attention layers"
+    # Where layer_types say which layers slide (Qwen2, Qwen3), use_sliding_window=False leaves a window unused;
+    # without them the forward reads the window alone (Qwen3-MoE's mask and attention, Mistral's), whatever the flag.
     # optional config fields: not every model family has them
-    if getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True):
+    window, flag = getattr(config, "sliding_window", None), getattr(config, "use_sliding_window", True)
+    if window is not None and (not layer_types or flag):
         return "the model uses a sliding attention window"
     # optional config fields: not every model family has them
-    if getattr(text, "attn_logit_softcapping", None) is not None:
+    if getattr(config, "attn_logit_softcapping", None) is not None:
         return "the model soft-caps attention logits"
     return None
 

@@ -147,6 +147,31 @@ def test_sliding_window_shorter_than_the_rollouts(config_name):
         dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(), mode="mask")
 
 
+@pytest.mark.parametrize("where", ["config, after building", "config and attention modules", "attention modules"])
+def test_a_sliding_window_anywhere_falls_back_to_the_model_attention(where):
+    """Qwen3-MoE's forward reads ``config.sliding_window`` whatever ``use_sliding_window`` says (the flag only clears
+    the field when the config is built): its mask applies the window, and each attention module passes the value it
+    read when built, which a call refuses only once the keys outrun it (never in the 2-token probe).
+    ``prefix_attention=None`` decides from every attention module and config before the walk and uses the model's
+    own attention (exact); ``True`` refuses, naming the window."""
+    model = make_model("qwen3moe")
+    rollouts = random_tree_rollouts(random.Random(9), num_rollouts=8)
+    full_window_loss, _ = reference_grads(model, rollouts, dta.PolicyLoss())
+    if where.startswith("config"):
+        model.config.sliding_window = 6
+        assert not model.config.use_sliding_window
+        assert reference_grads(model, rollouts, dta.PolicyLoss())[0] != pytest.approx(full_window_loss), \
+            "the window must change the model's output for this test to mean anything"
+    if where.endswith("modules"):  # as building the model from a config with the window sets them
+        for layer in model.model.layers:
+            layer.self_attn.sliding_window = 6
+    check(model, rollouts, dta.PolicyLoss(), ENGINE_CONFIGS["dfs-keep"])
+    window = "the model uses a sliding attention window" if where.startswith("config") else \
+        "Qwen3MoeAttention of layer 0 has a 6-token sliding window"
+    with pytest.raises(dta.ModelNotSupportedError, match=f"prefix_attention=True, but {window}"):
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(), prefix_attention=True)
+
+
 @pytest.mark.parametrize("agg", list(LOSSES))
 @pytest.mark.parametrize("config_name", ["dfs-keep", "dfs-recompute-chunk", "mask", "vanilla",
                                          "dfs-keep-reference-kernels"])

@@ -22,6 +22,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 import lightning_dta as dta
@@ -46,6 +48,12 @@ def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                              num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS, **common)
         model = Qwen3ForCausalLM(config)
+    elif family == "qwen3moe":  # mixture of experts; its attention passes config.sliding_window as it finds it
+        config = Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+                                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS, **common)
+        model = Qwen3MoeForCausalLM(config)
+        model.set_experts_implementation("eager")  # the grouped-mm experts take no float64
     elif family == "mistral":  # a sliding window longer than every test rollout
         config = MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, max_position_embeddings=MAX_POS, sliding_window=MAX_POS,
