@@ -70,6 +70,25 @@ TORCH_PARAMETERS = (  # (module:attribute, keyword arguments the package passes)
 )
 
 
+def missing_fsdp_internals() -> list[str]:
+    """FSDP2's private state that ``lightning_dta.distributed.sharding`` saves and restores around a step (a unit's
+    reshard-after-forward setting has no public getter): a unit's parameter groups (``_fsdp_param_groups``, or the
+    single ``_fsdp_param_group`` of torch < 2.12) and each group's ``post_forward_mesh_info``."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+        state = FSDPState()
+    except (ImportError, TypeError) as error:
+        return [f"FSDP2's FSDPState ({error})"]
+    missing = []
+    if not (hasattr(state, "_fsdp_param_groups") or hasattr(state, "_fsdp_param_group")):
+        missing.append("FSDPState._fsdp_param_groups (or _fsdp_param_group)")
+    if "post_forward_mesh_info" not in inspect.getsource(FSDPParamGroup):
+        missing.append("FSDPParamGroup.post_forward_mesh_info")
+    return missing
+
+
 def resolve(path: str) -> object:
     """The object ``module:attribute.attribute`` names (raises if any part is missing)."""
     module, _, attributes = path.partition(":")
@@ -94,7 +113,7 @@ def missing_torch_apis() -> list[str]:
             missing.append(path)
             continue
         missing += [f"{path}({keyword}=...)" for keyword in keywords if keyword not in parameters]
-    return missing
+    return missing + missing_fsdp_internals()
 
 
 def requirements(pyproject: Path = REPO / "pyproject.toml") -> list[Requirement]:

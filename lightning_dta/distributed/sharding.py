@@ -210,16 +210,28 @@ def _kept_unsharded_after_forward(units: list[nn.Module]) -> Iterator[None]:
     group's post-forward mesh, and whether FSDP2 chooses the setting (its root rule is applied again on restore: the
     root may have been found, by its first forward, inside the block)."""
     states = [unit._get_fsdp_state() for unit in units]
-    saved = [(state._auto_reshard_after_forward, [group.post_forward_mesh_info for group in state._fsdp_param_groups])
-             for state in states]
+    saved = [(getattr(state, "_auto_reshard_after_forward", None),
+              [group.post_forward_mesh_info for group in _param_groups(state)]) for state in states]
     units[0].set_reshard_after_forward(False)  # every unit (recursive)
     try:
         yield
     finally:
         for state, (auto, meshes) in zip(states, saved):
-            state._auto_reshard_after_forward = auto
-            for group, mesh in zip(state._fsdp_param_groups, meshes):
+            if auto is not None:
+                state._auto_reshard_after_forward = auto
+            for group, mesh in zip(_param_groups(state), meshes):
                 group.post_forward_mesh_info = None if auto and state._is_root else mesh
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 unit's parameter groups: ``_fsdp_param_groups`` in torch >= 2.12, one ``_fsdp_param_group`` (or
+    ``None``) before (the device image's torch 2.11; ``benchmarks/gpu_requirements.py`` checks that one of them is
+    there)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def reduce_gradients(model: nn.Module) -> None:

@@ -51,6 +51,20 @@ def test_the_requirements_check_takes_the_image_torch_and_names_what_is_missing(
     assert check.missing_torch_apis() == [
         "torch.distributed.fsdp:FSDPModule.set_force_sum_reduction_for_comms",
         "torch.distributed.checkpoint:HuggingFaceStorageWriter(enable_consolidation=...)"]
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    real_init = FSDPState.__init__
+
+    def init_without_groups(self):  # a torch whose unit keeps its parameter groups under another name
+        real_init(self)
+        del self._fsdp_param_groups
+
+    monkeypatch.setattr(FSDPState, "__init__", init_without_groups)
+    monkeypatch.setattr(FSDPState, "_fsdp_param_group", None, raising=False)
+    assert check.missing_fsdp_internals() == []  # torch < 2.12's single group is enough
+    monkeypatch.delattr(FSDPState, "_fsdp_param_group")
+    assert check.missing_fsdp_internals() == ["FSDPState._fsdp_param_groups (or _fsdp_param_group)"]
+    monkeypatch.setattr(FSDPState, "__init__", real_init)
     monkeypatch.setattr(check, "installed", lambda name, real=check.installed: "2.10.0" if name == "torch" else
                         real(name))
     capsys.readouterr()
