@@ -50,6 +50,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.core.errors import UsageError
+from lightning_dta.distributed.collectives import broadcast_tensors
 
 TP_DIM = TENSOR_PARALLEL  # the mesh dimension's name (Lightning's ModelParallelStrategy and torchtitan use it too)
 
@@ -342,9 +343,10 @@ def _check_tied(model: nn.Module, source: dict[str, str], embedding: str | None,
 
 def tensor_parallel(model: nn.Module, tp_mesh, *, vocab_parallel: bool = True,
                     plan_overrides: Mapping[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` (every rank of it must call this, with the same weights, and
-    then walk the same trees): the translated plan (:func:`tp_plan`), tied embeddings tied again, and the partial
-    gradients of ``replicated_with_grad_allreduce`` parameters summed over the group in every backward. Apply
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (every rank of it must call this, and then walk the same
+    trees): the translated plan (:func:`tp_plan`), tied embeddings tied again, every weight taken from the group's
+    first rank (sharded ones by torch, replicated ones broadcast here), and the partial gradients of
+    ``replicated_with_grad_allreduce`` parameters summed over the group in every backward. Apply
     FSDP2 (``fully_shard`` over the data-parallel mesh) after this, never before."""
     if tp_mesh.ndim != 1 or tp_mesh.mesh_dim_names != (TP_DIM,):
         raise TensorParallelError(f"tensor_parallel takes the 1-D mesh named {TP_DIM!r} (got dimensions "
@@ -361,12 +363,24 @@ def tensor_parallel(model: nn.Module, tp_mesh, *, vocab_parallel: bool = True,
     if tied:  # parallelize_module gave each module its own DTensor: tie them again (same placement, Shard(0))
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     group = tp_mesh.get_group()
+    _broadcast_replicated(model, group)
     for name in plan.partial_gradients:
         for module in model.get_submodule(name).modules():
             names = tuple(n for n, _ in module.named_parameters(recurse=False))
             if names:
                 module.register_forward_pre_hook(_SumGradientsPerBackward(names, group))
     return model
+
+
+def _broadcast_replicated(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Copy the parameters and buffers the plan leaves whole (norms; the embedding and head with
+    ``vocab_parallel=False``) from the group's first rank to its peers. The sharded ones are scattered from that rank
+    already (torch's styles distribute with ``src_data_rank=0``); without this, a model built unseeded on each rank
+    would keep different replicated weights on each peer, and the peers would compute different activations (and
+    generate different rollouts) from the same inputs. A model on the meta device is skipped: the checkpoint loaded
+    into it later is the same on every rank."""
+    tensors = [t.data for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor) and not t.is_meta]
+    broadcast_tensors(tensors, src=dist.get_global_rank(group, 0), group=group)
 
 
 class _SumGradientsPerBackward:
