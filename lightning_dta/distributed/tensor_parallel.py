@@ -8,7 +8,7 @@ and backward) line up by construction, and each rank holds only its slice of the
 vocabulary. Every engine mode is then exact: the keys/values the walk keeps on its path, and the ones prefix
 attention reads, are this rank's own heads.
 
-Three pieces:
+Four pieces:
 
 - :func:`tp_plan` translates the model's own transformers plan (``model._tp_plan``: the class plan, e.g.
   ``{"lm_head": "colwise_gather_output"}``, the config's ``base_model_tp_plan`` under the base model's prefix and
@@ -21,6 +21,8 @@ Three pieces:
   wrong as soon as a step runs more than one backward, and a tree step runs one per pop. Here each backward's
   gradient is summed before it is accumulated (a tensor hook on the parameter object the forward uses, so it also
   follows FSDP2's unsharded parameters).
+- Every weight comes from the group's first rank: torch's styles scatter the sharded ones from it, and the ones the
+  plan leaves whole are broadcast from it, so peers that built the model unseeded still compute alike.
 The step's sums run over the data-parallel group only (:class:`~lightning_dta.contracts.ParallelLayout`), and the
 gradient norm reduces each DTensor over its own mesh (:func:`lightning_dta.distributed.step.gradient_norm`): summing
 local squares over every rank would count a tensor-parallel group's replicated shards once per peer.

@@ -17,8 +17,8 @@ Where steps come from is a :class:`~lightning_dta.contracts.StepSource` (:mod:`l
 Tensor parallelism. The peers of a tensor-parallel group share one data-parallel rank and must walk the same trees
 (:mod:`lightning_dta.distributed.peers`): every input of the partition is the same on each of them (the step, the
 cost model, and with ``calibrate_cost_model`` the measured times, which the step makes one per group), and each step
-they compare a digest of the tree they are about to walk before any walk (the source's log-probs included) and stop
-where it differs, instead of pairing the collectives inside each layer wrongly.
+they compare a digest of the tree they are about to walk, before any walk of it (the source's log-prob walks
+included), and stop where it differs, instead of pairing the collectives inside each layer wrongly.
 
 Resuming. ``state_dict`` records the epoch and how many of its steps were trained, and the source's own state;
 Lightning saves it in the checkpoint and a resumed run starts at the next step. Under a Trainer a step counts as
