@@ -266,6 +266,15 @@ class ParallelLayout:
             return 1
         return dist.get_world_size(self.data_parallel_group)
 
+    @property
+    def tensor_parallel_group(self) -> ProcessGroup | None:
+        """The peers that walk this rank's trees with it (the mesh's ``tensor_parallel`` dimension), or ``None``
+        without tensor parallelism (no mesh, no such dimension, or a dimension of size 1)."""
+        mesh = self.device_mesh
+        if mesh is None or TENSOR_PARALLEL not in (mesh.mesh_dim_names or ()) or mesh[TENSOR_PARALLEL].size() < 2:
+            return None
+        return mesh[TENSOR_PARALLEL].get_group()
+
 
 @runtime_checkable
 class TreeParallelStrategy(Protocol):

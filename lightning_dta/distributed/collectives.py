@@ -153,7 +153,21 @@ def broadcast_module(module: nn.Module, *, src: int = 0, bucket_mb: float = DEFA
                      group: dist.ProcessGroup | None = None) -> None:
     """Copy rank ``src``'s parameters and buffers to every rank, so that all ranks start from identical weights
     (what the DDP constructor does, without keeping a DDP wrapper around)."""
-    if world_size(group) == 1:
+    broadcast_tensors([t.data for t in module.parameters()] + list(module.buffers()), src=src, bucket_mb=bucket_mb,
+                      group=group)
+
+
+def broadcast_tensors(tensors: Sequence[torch.Tensor], *, src: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
+                      group: dist.ProcessGroup | None = None) -> None:
+    """Overwrite ``tensors`` in place with rank ``src``'s (a global rank), in flattened buckets. A bucket the backend
+    cannot reach where it lies (NCCL and a CPU tensor) travels through :func:`collective_device` and back."""
+    if world_size(group) == 1 or not tensors:
         return
-    tensors = [t.data for t in module.parameters()] + [b for b in module.buffers()]
-    _flat_collective(tensors, bucket_mb, lambda flat: dist.broadcast(flat, src=src, group=group))
+
+    def broadcast(flat: torch.Tensor) -> None:
+        staged = flat.to(collective_device(flat))
+        dist.broadcast(staged, src=src, group=group)
+        if staged is not flat:
+            flat.copy_(staged)
+
+    _flat_collective(list(tensors), bucket_mb, broadcast)

@@ -54,9 +54,12 @@ class StepOutput:
     ``metrics`` has the step loss, the loss metrics (clip fraction, approx KL, entropy, ...), and the token
     counts: ``logical_tokens`` (every rollout counted in full), ``tree_tokens`` (shared tokens once per rank's
     tree) and their ratio ``compression_ratio``. ``local`` is this rank's own engine output (``None`` when the
-    rank had no tree). ``rank_seconds`` is every rank's DFS time (the engine alone, without collectives), index =
-    rank: the measured load balance. ``grad_norm`` is the total norm of the summed gradient before clipping (set
-    by :func:`~lightning_dta.lightning.step.dfs_training_step`).
+    rank had no tree). ``rank_seconds`` is every data-parallel rank's DFS time (the engine alone, without
+    collectives), index = rank: the measured load balance. With tensor parallelism it is each group's slowest
+    peer's time, so every rank holds the same list: the partition's calibration (``RolloutDataModule``) must see
+    the same numbers on every peer, or the peers' partitions drift apart and they walk different trees.
+    ``grad_norm`` is the total norm of the summed gradient before clipping (set by
+    :func:`~lightning_dta.lightning.step.dfs_training_step`).
     """
 
     loss: float
@@ -136,6 +139,9 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
             local = tree_backward(model, tree, loss_fn, engine=engine, normalizer=normalizer)
             synchronize(device)
             seconds = time.perf_counter() - start
+    peers = layout.tensor_parallel_group
+    if peers is not None:  # the group's time (its slowest peer's), so that every rank calibrates the same partition
+        seconds = max(peer[0] for peer in all_gather_floats([seconds], device, group=peers))
     names = loss_fn.metric_sums
     values = [0.0] * (1 + len(names) + len(_COUNTS))
     if local is not None:

@@ -8,7 +8,7 @@ and backward) line up by construction, and each rank holds only its slice of the
 vocabulary. Every engine mode is then exact: the keys/values the walk keeps on its path, and the ones prefix
 attention reads, are this rank's own heads.
 
-Three pieces:
+Four pieces:
 
 - :func:`tp_plan` translates the model's own transformers plan (``model._tp_plan``: the class plan, e.g.
   ``{"lm_head": "colwise_gather_output"}``, the config's ``base_model_tp_plan`` under the base model's prefix and
@@ -21,6 +21,8 @@ Three pieces:
   wrong as soon as a step runs more than one backward, and a tree step runs one per pop. Here each backward's
   gradient is summed before it is accumulated (a tensor hook on the parameter object the forward uses, so it also
   follows FSDP2's unsharded parameters).
+- Every weight comes from the group's first rank: torch's styles scatter the sharded ones from it, and the ones the
+  plan leaves whole are broadcast from it, so peers that built the model unseeded still compute alike.
 The step's sums run over the data-parallel group only (:class:`~lightning_dta.contracts.ParallelLayout`), and the
 gradient norm reduces each DTensor over its own mesh (:func:`lightning_dta.distributed.step.gradient_norm`): summing
 local squares over every rank would count a tensor-parallel group's replicated shards once per peer.
@@ -50,6 +52,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.core.errors import UsageError
+from lightning_dta.distributed.collectives import broadcast_tensors
 
 TP_DIM = TENSOR_PARALLEL  # the mesh dimension's name (Lightning's ModelParallelStrategy and torchtitan use it too)
 
@@ -342,9 +345,10 @@ def _check_tied(model: nn.Module, source: dict[str, str], embedding: str | None,
 
 def tensor_parallel(model: nn.Module, tp_mesh, *, vocab_parallel: bool = True,
                     plan_overrides: Mapping[str, str] | None = None) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh`` (every rank of it must call this, with the same weights, and
-    then walk the same trees): the translated plan (:func:`tp_plan`), tied embeddings tied again, and the partial
-    gradients of ``replicated_with_grad_allreduce`` parameters summed over the group in every backward. Apply
+    """Shard ``model`` in place over the 1-D ``tp_mesh`` (every rank of it must call this, and then walk the same
+    trees): the translated plan (:func:`tp_plan`), tied embeddings tied again, every weight taken from the group's
+    first rank (sharded ones by torch, replicated ones broadcast here), and the partial gradients of
+    ``replicated_with_grad_allreduce`` parameters summed over the group in every backward. Apply
     FSDP2 (``fully_shard`` over the data-parallel mesh) after this, never before."""
     if tp_mesh.ndim != 1 or tp_mesh.mesh_dim_names != (TP_DIM,):
         raise TensorParallelError(f"tensor_parallel takes the 1-D mesh named {TP_DIM!r} (got dimensions "
@@ -361,12 +365,24 @@ def tensor_parallel(model: nn.Module, tp_mesh, *, vocab_parallel: bool = True,
     if tied:  # parallelize_module gave each module its own DTensor: tie them again (same placement, Shard(0))
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     group = tp_mesh.get_group()
+    _broadcast_replicated(model, group)
     for name in plan.partial_gradients:
         for module in model.get_submodule(name).modules():
             names = tuple(n for n, _ in module.named_parameters(recurse=False))
             if names:
                 module.register_forward_pre_hook(_SumGradientsPerBackward(names, group))
     return model
+
+
+def _broadcast_replicated(model: nn.Module, group: dist.ProcessGroup) -> None:
+    """Copy the parameters and buffers the plan leaves whole (norms; the embedding and head with
+    ``vocab_parallel=False``) from the group's first rank to its peers. The sharded ones are scattered from that rank
+    already (torch's styles distribute with ``src_data_rank=0``); without this, a model built unseeded on each rank
+    would keep different replicated weights on each peer, and the peers would compute different activations (and
+    generate different rollouts) from the same inputs. A model on the meta device is skipped: the checkpoint loaded
+    into it later is the same on every rank."""
+    tensors = [t.data for t in (*model.parameters(), *model.buffers()) if not isinstance(t, DTensor) and not t.is_meta]
+    broadcast_tensors(tensors, src=dist.get_global_rank(group, 0), group=group)
 
 
 class _SumGradientsPerBackward:

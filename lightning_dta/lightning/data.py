@@ -14,6 +14,12 @@ Where steps come from is a :class:`~lightning_dta.contracts.StepSource` (:mod:`l
   A source with a ``len`` gives the epoch that many steps, and Lightning then does not prefetch a step ahead of
   training.
 
+Tensor parallelism. The peers of a tensor-parallel group share one data-parallel rank and must walk the same trees
+(:mod:`lightning_dta.distributed.peers`): every input of the partition is the same on each of them (the step, the
+cost model, and with ``calibrate_cost_model`` the measured times, which the step makes one per group), and each step
+they compare a digest of the tree they are about to walk, before any walk of it (the source's log-prob walks
+included), and stop where it differs, instead of pairing the collectives inside each layer wrongly.
+
 Resuming. ``state_dict`` records the epoch and how many of its steps were trained, and the source's own state;
 Lightning saves it in the checkpoint and a resumed run starts at the next step. Under a Trainer a step counts as
 trained when Lightning hands it to the training step (``on_before_batch_transfer``), so batches that Lightning
@@ -47,6 +53,7 @@ from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.peers import check_peers_agree
 from lightning_dta.engine.model_info import model_limits
 from lightning_dta.lightning.sources import FileSteps, IterableSteps, StepIterable, located
 
@@ -248,6 +255,7 @@ class RolloutDataModule(L.LightningDataModule):
         self._update_finished()
         self._pending.clear()
         rank, world_size = self.rank, self.world_size
+        peers = self._layout.tensor_parallel_group
         steps = self.source.steps(epoch, start, self.limits)
         if self.max_steps_per_epoch is not None:
             steps = itertools.islice(steps, max(self.max_steps_per_epoch - start, 0))
@@ -256,6 +264,7 @@ class RolloutDataModule(L.LightningDataModule):
             with located(label):
                 batch = make_step_batch(rollouts, rank, world_size, partition_method=self.partition_method,
                                         cost_model=self.cost_model)
+                check_peers_agree(batch.rollouts, peers, label)  # before any walk of the step (module docstring)
                 self.source.prepare_batch(batch)  # e.g. the online source's log-probs on this rank's share only
             end = position + 1
             if self.trainer is None:

@@ -58,6 +58,7 @@ from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank
+from lightning_dta.distributed.peers import check_peers_agree
 from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.engine import EngineOptions
 from lightning_dta.lightning.sources import validated_step
@@ -164,6 +165,7 @@ class OnlineRolloutSource:
         self._rank, self._world_size = 0, 1  # among the data-parallel ranks (attach() reads the layout)
         self._global_rank = 0
         self._group = None  # the data-parallel group the colocated blocks are gathered over
+        self._peers = None  # the tensor-parallel peers that generate this rank's blocks alike (None: no TP)
         self._syncs_weights = True  # whether this rank's generator receives the weights (attach() decides)
         self._producer: AsyncProducer | None = None  # async: the background generation thread
         self.discarded_steps = 0  # async: steps generated but never trained (counted at close())
@@ -214,7 +216,8 @@ class OnlineRolloutSource:
         in async mode; disaggregated: on rank 0 only), freezes a reference copy when ``ref_logprobs`` is on, and
         starts the background thread in async mode. Every rank calls it. Colocated blocks are cut over the
         data-parallel ranks: the tensor-parallel peers of a rank generate its blocks alike (the same weights and
-        seeds), and the blocks are gathered over the data-parallel group.
+        seeds), the blocks are gathered over the data-parallel group, and the peers compare a digest of the step
+        they hold (:mod:`lightning_dta.distributed.peers`), stopping where generation diverged.
         """
         if self.policy is not None:
             raise RuntimeError("OnlineRolloutSource.attach() was called twice; close() it first, or build a new "
@@ -234,6 +237,7 @@ class OnlineRolloutSource:
             self.max_context = getattr(getattr(policy, "config", None), "max_position_embeddings", None)
         layout = layout or ParallelLayout()
         self._group = layout.data_parallel_group
+        self._peers = layout.tensor_parallel_group
         self._rank, self._world_size = layout.data_parallel_rank, layout.data_parallel_size
         self._global_rank = rank()
         self.policy = policy
@@ -357,6 +361,9 @@ class OnlineRolloutSource:
                                f"{self.max_staleness}. This is a bug in the rollout source")
         episodes = sorted((e for share in shares for e in share.content), key=lambda e: (e.prompt_index, e.sample))
         rollouts = episode_rollouts(episodes, self.advantage_estimator, self.advantage_options)
+        if self.placement == "colocated":  # each peer generated its blocks itself (disaggregated: one broadcast)
+            check_peers_agree(rollouts, self._peers, f"step {index} of the online source, as each tensor-parallel "
+                                                     "peer generated it")
         info = step_info(index, version, self._version, episodes, PrefixTree.from_rollouts(rollouts, validate=False))
         info.generation_sec = local.seconds if local is not None else 0.0
         info.wait_sec, info.requested_at = waited, requested
