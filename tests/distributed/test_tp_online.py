@@ -12,11 +12,11 @@ What is bounded is what TP guarantees. Before any update (a run without the warm
 the initial weights) the behaviour log-probs agree to float32 rounding. After the config's warm start (80 AdamW
 steps, lr 3e-3, no clipping, on the demonstrations, every rank the whole tree) they do not: under TP each rank sums
 the row-parallel halves in another order, and AdamW's normalised update turns those last-bit differences into
-gaps that depend on the CPU (measured 1.7e-4 to 2.2e-4 on one machine, 2.2e-3 on an AVX-512 one; bitwise on 2
+gaps that depend on the CPU (measured 1.7e-4 to 2.2e-4 on one machine, 3.1e-4 to 2.2e-3 on AVX-512 ones; bitwise on 2
 data-parallel ranks, tests/rl/test_online_ranks.py). So after it the tokens, masks, advantages and rewards are
-held equal and the log-prob gaps are printed, not bounded. Measured: reward 0.624 -> 0.810 (1 rank 0.624 -> 0.802),
-the first 33 steps' rewards equal. About 6.5 minutes on 2 busy cores (1 rank 48 s, TP 2 316 s, the two runs
-without warm start 28 s; ``long``).
+held equal and the log-prob gaps are printed, not bounded. Measured: reward 0.624 -> 0.810 (1 rank 0.624 -> 0.802;
+0.827 on AVX-512), the first 33 steps' rewards equal. About 6.5 minutes on 2 busy cores (1 rank 48 s, TP 2 316 s,
+the two runs without warm start 28 s; ``long``).
 """
 
 from __future__ import annotations
