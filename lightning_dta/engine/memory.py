@@ -15,17 +15,22 @@ import torch
 from torch import nn
 
 try:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover - torch without distributed
-    DTensor = None
+    AsyncCollectiveTensor = DTensor = None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds the bytes: a DTensor's (tensor-parallel or FSDP) own shard on this rank. A
-    DTensor's own ``untyped_storage()`` is an invalid wrapper storage."""
+    """The tensor whose storage holds the bytes: a DTensor's (tensor-parallel or FSDP) own shard on this rank, the
+    result of a collective (a row-parallel layer's all-reduced output, saved as it is by the next op that saves its
+    input, as an RMSNorm computing in the model's dtype does). Their own ``untyped_storage()`` is an invalid wrapper
+    storage."""
     if DTensor is not None and isinstance(tensor, DTensor):
         with torch.no_grad():
             return tensor.to_local()
+    if AsyncCollectiveTensor is not None and isinstance(tensor, AsyncCollectiveTensor):
+        return tensor.trigger_wait()  # done by now: the op that saves it has run
     return tensor
 
 

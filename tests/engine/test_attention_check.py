@@ -21,7 +21,7 @@ from lightning_dta.engine.attention_check import KernelCheckWarning, check_kerne
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.prefix_attention import AttentionShape
 from tests.helpers.models import make_model, random_tree_rollouts
-from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
+from tests.helpers.reference import RTOL64, assert_grads_close, engine_grads, reference_grads
 
 
 class WrongScale(CPUFlashBackend):
@@ -72,8 +72,8 @@ def test_a_wrong_backend_warns_with_the_difference_and_falls_back(installed, bac
     assert not info.packs_siblings and info.attention_backend is None  # the model's attention with a KV cache
     ref_loss, ref = reference_grads(model, rollouts, dta.PolicyLoss())
     out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(), mode="dfs")
-    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
-    assert_grads_close(got, ref, 1e-5, what=backend_class.__name__)
+    assert out.loss == pytest.approx(ref_loss, rel=RTOL64)
+    assert_grads_close(got, ref, RTOL64, what=backend_class.__name__)
 
 
 def test_a_wrong_backend_is_refused_when_prefix_attention_is_required(installed):

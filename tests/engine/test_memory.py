@@ -63,3 +63,17 @@ def test_recompute_with_chunks_holds_less_than_keep(model):
     vanilla = peak_saved_bytes(model, tree, mode="vanilla")
     assert recompute < 0.5 * vanilla, f"recompute+chunks {recompute} vs per-rollout {vanilla}"
     assert keep >= 0.9 * vanilla
+
+
+def test_the_meter_counts_the_result_of_a_collective_saved_as_it_is():
+    """Under tensor parallelism a row-parallel layer's output is an ``AsyncCollectiveTensor`` (its all-reduce in
+    flight) whose own storage is an invalid wrapper; an RMSNorm computing in the model's dtype saves it for backward
+    as it is, and ``activation="auto"`` on a float32 model under TP raised "invalid python storage" (float64 tests
+    hid it: HF's norm cast to float32 first, a new tensor). The meter counts the collective's result."""
+    import torch
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    x = AsyncCollectiveTensor(torch.randn(1000, dtype=torch.float64)).requires_grad_()
+    with SavedTensorMeter() as meter:
+        x.pow(2)  # saves x
+    assert meter.peak_bytes == 8 * 1000

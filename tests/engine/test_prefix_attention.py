@@ -262,21 +262,33 @@ def test_mixed_precision_keeps_prefix_attention_and_its_gradient():
     """Under bfloat16 autocast (``bf16-mixed``, and ``16-mixed``, which Lightning turns into it on a CPU) a Llama's
     keys leave RoPE in float32 and its values the projection in bfloat16. The kernels used to get both dtypes, the
     self-check failed ("expected scalar type Float but found BFloat16") and prefix attention fell back; the inputs
-    are now cast as the model's own attention (SDPA, an autocast op) casts them."""
+    are now cast as the model's own attention (SDPA, an autocast op) casts them.
+
+    Both paths are compared with the per-rollout gradient in float64 (not with each other): the model's own
+    attention under autocast is torch's CPU flash kernel, whose bfloat16 backward depends on the instruction set
+    (measured 0.79% with AVX2, 13% with AVX-512), so it cannot be the reference. Prefix attention is held to
+    bfloat16 rounding (measured 0.72-0.77% whatever the instruction set); the model's attention only to being the
+    same gradient."""
+    import copy
     import warnings
 
     import lightning_dta as dta
     from lightning_dta.engine.attention_check import KernelCheckWarning
     from lightning_dta.engine.model_info import inspect_model
     from tests.helpers.lightning import grpo_rollouts, tiny_llama
+    from tests.helpers.reference import engine_grads, reference_grads
 
-    model, tree = tiny_llama(), dta.PrefixTree.from_rollouts(grpo_rollouts())
-    grads = {}
+    model, rollouts = tiny_llama(), grpo_rollouts()
+    _, exact = reference_grads(copy.deepcopy(model).double(), rollouts, dta.PolicyLoss())
+    exact_flat = torch.cat([g.flatten() for g in exact.values()])
+    errors = {}
     with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
         warnings.simplefilter("error", KernelCheckWarning)
         assert inspect_model(model, True, None, None).attention_backend is not None  # prefix attention is used
         for prefix in (None, False):
-            model.zero_grad()
-            dta.tree_backward(model, tree, dta.PolicyLoss(), prefix_attention=prefix)
-            grads[prefix] = torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert float((grads[None] - grads[False]).norm() / grads[False].norm()) < 2e-2  # bfloat16 rounding
+            _, grads = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(),
+                                    prefix_attention=prefix)
+            flat = torch.cat([grads[name].double().flatten() for name in exact])
+            errors[prefix] = float((flat - exact_flat).norm() / exact_flat.norm())
+    assert 1e-4 < errors[None] < 2e-2, errors  # bfloat16 rounding (so autocast is on), not a wrong gradient
+    assert errors[False] < 0.5, errors  # torch's kernel: its accuracy is not this project's to bound tightly

@@ -13,11 +13,13 @@ from lightning_dta.distributed.collectives import rank
 from lightning_dta.lightning.module import build_causal_lm
 from lightning_dta.rl import ReverseDigits
 from lightning_dta.rl.generation import Completion, Generator
+from tests.helpers.float64 import without_float32_islands
 
 
 def tiny_policy(vocab_size: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32, scale: float = 1.0,
                 max_positions: int = 128) -> nn.Module:
-    """A 2-layer Llama; ``scale`` > 1 sharpens its random logits (so samples and log-probs are not uniform)."""
+    """A 2-layer Llama; ``scale`` > 1 sharpens its random logits (so samples and log-probs are not uniform). In
+    float64 with no float32 step inside (tests/helpers/float64.py), so that float64 tests can hold it to rounding."""
     torch.manual_seed(seed)
     model = build_causal_lm(dict(model_type="llama", vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -27,7 +29,8 @@ def tiny_policy(vocab_size: int = 16, seed: int = 0, dtype: torch.dtype = torch.
             for p in model.parameters():
                 if p.dim() > 1:
                     p.mul_(scale)
-    return model.to(dtype)
+    model = model.to(dtype)
+    return without_float32_islands(model) if dtype == torch.float64 else model
 
 
 class ScriptedGenerator(Generator):
