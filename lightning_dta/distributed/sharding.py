@@ -210,6 +210,7 @@ def _kept_unsharded_after_forward(units: list[nn.Module]) -> Iterator[None]:
     group's post-forward mesh, and whether FSDP2 chooses the setting (its root rule is applied again on restore: the
     root may have been found, by its first forward, inside the block)."""
     states = [unit._get_fsdp_state() for unit in units]
+    # FSDP2's private state (no public getter); its names differ between torch releases (_param_groups)
     saved = [(getattr(state, "_auto_reshard_after_forward", None),
               [group.post_forward_mesh_info for group in _param_groups(state)]) for state in states]
     units[0].set_reshard_after_forward(False)  # every unit (recursive)
@@ -227,6 +228,7 @@ def _param_groups(state) -> list:
     """An FSDP2 unit's parameter groups: ``_fsdp_param_groups`` in torch >= 2.12, one ``_fsdp_param_group`` (or
     ``None``) before (the device image's torch 2.11; ``benchmarks/gpu_requirements.py`` checks that one of them is
     there)."""
+    # torch >= 2.12's name; the device image's 2.11 has the single group below
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)

@@ -2,10 +2,10 @@
 
 Hugging Face models compute some steps in float32 whatever the model's dtype: Llama-style RMSNorms cast the hidden
 state to float32, Gemma's norm computes in float32, the rotary embeddings build cos/sin from a float32
-``inv_freq``, eager attention takes its softmax in float32 and DiffLlama its lambdas. In a float64 model such a
-step rounds a float64 value to float32: two computations of the same gradient whose float64 inputs differ in the
-last bits (the engine's batching and the per-rollout reference sum in different orders) come out ~1e-7 apart,
-which forced the exactness tests to allow 1e-5 relative, enough to hide a small real error.
+``inv_freq``, eager attention and MoE routers take their softmax in float32, DiffLlama its lambdas. In a float64
+model such a step rounds a float64 value to float32: two computations of the same gradient whose float64 inputs
+differ in the last bits (the engine's batching and the per-rollout reference sum in different orders) come out
+~1e-7 apart, which forced the exactness tests to allow 1e-5 relative, enough to hide a small real error.
 
 :func:`without_float32_islands` gives each of these modules a forward that computes the same definition in the
 input's dtype (an attention module keeps its own forward, with the reductions it asks for in float32 run in
@@ -59,13 +59,17 @@ class _Float64Reductions(TorchFunctionMode):
 
 
 def _attention_without_float32_reductions(self: torch.nn.Module, *args, **kwargs) -> tuple:
-    """The module's own forward (eager attention's softmax, DiffLlama's lambdas) with float64 reductions."""
+    """The module's own forward (eager attention's softmax, DiffLlama's lambdas, a router's softmax) with float64
+    reductions."""
     with _Float64Reductions():
         return type(self).forward(self, *args, **kwargs)
 
 
 def _has_float32_reductions(module: torch.nn.Module) -> bool:
-    """An attention module that asks for float32 reductions: eager attention (its softmax), DiffLlama's (lambda)."""
+    """A module that asks for float32 reductions: eager attention (its softmax), DiffLlama's (lambda), an MoE router
+    (Qwen3-MoE's softmax over the experts)."""
+    if type(module).__name__.endswith("Router"):
+        return True
     if not type(module).__name__.endswith("Attention"):
         return False
     config = getattr(module, "config", None)
