@@ -44,9 +44,10 @@ class GenerationBatches:
     in the same order, so one generation batch feeds ``steps_per_generation * epochs`` optimizer steps."""
 
     split: Split = "groups"
-    """"groups": each step holds whole groups (rollouts sharing a ``group_id``), taken in the batch's order, the
-    same number of groups per step, so each step's prefix tree keeps its sharing; a batch whose groups cannot be
-    shared out evenly is refused. "shuffled" (TRL's way): the rollouts are permuted (seeded by the source's seed and
+    """"groups": each step holds whole groups (rollouts sharing a ``group_id``), consecutive in the batch's order,
+    cut where the steps' rollout counts come closest to equal (exactly equal when the groups allow it, e.g. groups of
+    one size), so each step's prefix tree keeps its sharing; a batch with fewer groups than steps is refused.
+    "shuffled" (TRL's way): the rollouts are permuted (seeded by the source's seed and
     the generation batch's index, the same on every rank) and cut into equal steps; groups are broken up and the
     steps' compression ratio (``compression_ratio`` in the step metrics) drops."""
 
@@ -88,20 +89,31 @@ class GenerationBatches:
             parts = [sorted(int(i) for i in order[k * size:(k + 1) * size]) for k in range(count)]
         else:
             units = _groups(rollouts)
-            if len(units) % count:
+            if len(units) < count:
                 raise ConfigError(f"{label}: its {len(units)} groups (rollouts sharing a group_id; a rollout without "
-                                  f"one is a group alone) cannot be shared out evenly over steps_per_generation="
-                                  f"{count} steps of whole groups. Fix: a number of groups per generation batch that "
-                                  f"is a multiple of {count} (e.g. rollouts_per_step a multiple of the group size), "
-                                  "or generation.split: shuffled")
-            size = len(units) // count
-            parts = [sorted(i for unit in units[k * size:(k + 1) * size] for i in unit) for k in range(count)]
+                                  f"one is a group alone) cannot fill steps_per_generation={count} steps of whole "
+                                  f"groups. Fix: at least {count} groups per generation batch (more prompts or "
+                                  "rollouts per step), fewer steps_per_generation, or generation.split: shuffled")
+            edges = _cuts([len(unit) for unit in units], count)
+            parts = [sorted(i for unit in units[a:b] for i in unit) for a, b in zip(edges, edges[1:])]
         steps = [[rollouts[i] for i in part] for part in parts]
         return [step for _ in range(self.epochs) for step in steps]
 
     def to_dict(self) -> dict:
         """The fields as plain data (for checkpoints and hyperparameters)."""
         return dataclasses.asdict(self)
+
+
+def _cuts(sizes: list[int], count: int) -> list[int]:
+    """Group indices ``0 = e_0 < e_1 < ... < e_count = len(sizes)`` that cut the groups into ``count`` non-empty runs
+    whose rollout counts come closest to equal: ``e_k`` is the boundary whose cumulative count is nearest ``k / count``
+    of the total (the earlier one on a tie), leaving a group for each later run. Exact integers: no rounding."""
+    total, edges = sum(sizes), [0]
+    cumulative = [sum(sizes[:b]) for b in range(len(sizes) + 1)]
+    for k in range(1, count):
+        candidates = range(edges[-1] + 1, len(sizes) - (count - k) + 1)
+        edges.append(min(candidates, key=lambda b: abs(count * cumulative[b] - k * total)))
+    return [*edges, len(sizes)]
 
 
 def _groups(rollouts: Sequence[Rollout]) -> list[list[int]]:

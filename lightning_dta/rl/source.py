@@ -117,11 +117,11 @@ class OnlineRolloutSource:
         max_context: the model's maximum positions (default: the policy config's ``max_position_embeddings``).
         generation: :class:`~lightning_dta.core.generation.GenerationBatches`: one generation batch of
             ``prompts_per_step * steps_per_generation`` prompts, generated with one version of the weights, its
-            advantages estimated over all of it, feeds ``steps_per_generation * epochs`` optimizer steps of
-            ``prompts_per_step`` prompts each (the default split: whole prompts, with every call of their
-            episodes). The rollouts keep the generating policy's log-probs as ``old_logprobs``, so from the second
-            step on the PPO ratio departs from 1 and the clip binds. Sync mode only, for now. Default: one step
-            per generation batch.
+            advantages estimated over all of it, feeds ``steps_per_generation * epochs`` optimizer steps (the
+            default split: whole prompts, with every call of their episodes, ``prompts_per_step`` each when every
+            prompt has as many calls; otherwise cut where the steps' calls come closest to equal). The rollouts
+            keep the generating policy's log-probs as ``old_logprobs``, so from the second step on the PPO ratio
+            departs from 1 and the clip binds. Sync mode only, for now. Default: one step per generation batch.
 
     The forward-only walks (``prox``/``ref`` log-probs) use the :class:`~lightning_dta.EngineOptions` given to
     :meth:`attach`: the training module's, so one engine block in a config serves every engine call of a step.
