@@ -113,8 +113,8 @@ class FileSteps:
                 raise RolloutError(index, fault.field, f"{fault.problem} ({unit} {number})", fault.fix,
                                    self._location(index)) from None
         self._batches = batches
-        self._steps = [self.generation.split_batch(batch, self.seed, number, f"{unit} {number} of {self.path} (from "
-                                                   f"{self._location(number * size)})")
+        self._steps = [self.generation.split_batch(batch, self.seed, number,
+                                                   f"{unit} {number} (from {self._location(number * size)})")
                        for number, batch in enumerate(batches)]
         _warn_about_file(self.path, self._lines, batches, size, self.advantage_estimator, unit)
 
