@@ -178,7 +178,8 @@ class OnlineRolloutSource:
         self.policy: nn.Module | None = None
         self.ref_model: nn.Module | None = None
         self.engine = EngineOptions()  # the forward-only walks' options (attach() takes the trainer's)
-        self.last_step: StepInfo | None = None
+        self.last_step: StepInfo | None = None  # the last generation batch (by default: the last step)
+        self.last_step_logical_tokens = 0  # the last optimizer step handed out (a part of last_step's batch)
         self.history: list[StepInfo] = []  # every step handed out, in order
         self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
@@ -220,7 +221,9 @@ class OnlineRolloutSource:
         index = self._next_index - 1
         label = f"step {index} of the online source" if each == 1 else \
             f"step {position} of generation batch {index} of the online source"
-        return label, self._steps_left.pop(0)
+        step = self._steps_left.pop(0)
+        self.last_step_logical_tokens = sum(len(rollout.input_ids) for rollout in step)
+        return label, step
 
     def prepare_batch(self, batch: StepBatch) -> None:
         """Complete this rank's share of the step: proximal and reference log-probs on its tree only. Every rank
