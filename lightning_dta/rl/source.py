@@ -49,6 +49,7 @@ Used with Lightning, :class:`~lightning_dta.rl.callback.OnlineRLCallback` calls 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -185,6 +186,7 @@ class OnlineRolloutSource:
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next generation batch to generate
         self._steps_left: list[list[Rollout]] = []  # the current generation batch's steps not handed out yet
+        self._batch_info: StepInfo | None = None  # the current generation batch's statistics
         self._rank, self._world_size = 0, 1  # among the data-parallel ranks (attach() reads the layout)
         self._global_rank = 0
         self._group = None  # the data-parallel group the colocated blocks are gathered over
@@ -216,6 +218,10 @@ class OnlineRolloutSource:
             index = self._next_index - 1
             label = f"generation batch {index} of the online source"
             self._steps_left = self.generation.split_batch(batch, self.seed, index, label)
+            self._batch_info = self.last_step
+        elif self._batch_info is not None:  # a later step of the batch: the batch's content, this step's times
+            self.last_step = dataclasses.replace(self._batch_info, generation_sec=0.0, wait_sec=0.0, prepare_sec=0.0,
+                                                 requested_at=time.perf_counter())
         each = self.generation.steps_per_batch
         position = each - len(self._steps_left)
         index = self._next_index - 1
@@ -236,7 +242,8 @@ class OnlineRolloutSource:
         next step with the same rollouts, advantages and split (the weights that generated them are gone)."""
         return {"next_index": self._next_index, "seed": self.seed, "prompts_per_step": self.prompts_per_step,
                 "generation": self.generation.to_dict(),
-                "steps_left": [[rollout.to_dict() for rollout in step] for step in self._steps_left]}
+                "steps_left": [[rollout.to_dict() for rollout in step] for step in self._steps_left],
+                "batch_info": dataclasses.asdict(self._batch_info) if self._steps_left and self._batch_info else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._producer is not None:
@@ -249,6 +256,8 @@ class OnlineRolloutSource:
         check_same_generation(state, self.generation)
         self._next_index = int(state["next_index"])
         self._steps_left = [[Rollout.from_dict(data) for data in step] for step in state.get("steps_left", [])]
+        info = state.get("batch_info")
+        self._batch_info = None if info is None else StepInfo(**info)
 
     # ------------------------------------------------------------------ the training loop's side
 

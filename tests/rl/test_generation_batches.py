@@ -68,6 +68,7 @@ def test_a_source_resumed_in_the_middle_of_a_generation_batch_hands_out_its_next
     resumed.attach(tiny_policy())
     assert [r.to_dict() for r in resumed.next_step()] == [r.to_dict() for r in second]
     assert resumed.generator.calls == [] and resumed.history == []  # the step came from the checkpoint
+    assert resumed.last_step.rewards == src.last_step.rewards  # and the batch's statistics, for the metrics
     with pytest.raises(ConfigError, match="generation .*Fix: "):
         OnlineRolloutSource(TwoTurnEnv(), ScriptedGenerator([[5, 2]]), prompts_per_step=2,
                             samples_per_prompt=2).load_state_dict(src.state_dict())
@@ -109,3 +110,32 @@ def test_from_the_second_step_of_a_generation_batch_the_ratio_departs_from_1_and
     for step in later:
         assert step["train/clip_fraction"] > 0.0
         assert abs(step["train/ratio_mean"] - 1.0) > 1e-3
+
+
+def _online_run(tmp_path, max_steps: int, ckpt=None, save=None) -> dict:
+    """Sync, 4 steps per generation batch, AdamW, strategy "dta"."""
+    source = OnlineRolloutSource(ReverseDigits(), HFGenerator(max_new_tokens=6), prompts_per_step=2,
+                                 samples_per_prompt=4, generation=GenerationBatches(steps_per_generation=4))
+    module = dta.DTAModule(tiny_policy(scale=3.0), optimizer=functools.partial(torch.optim.AdamW, lr=0.01),
+                           loss=dta.PolicyLoss(clip_eps=0.2))
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path,
+                        callbacks=[OnlineRLCallback(print_every_n_steps=0, reward_plot=None)])
+    trainer.fit(module, RolloutDataModule(source=source), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def test_an_online_run_resumed_in_the_middle_of_a_generation_batch_is_bitwise_the_uninterrupted_one(tmp_path):
+    """Stopped after step 2 of 4: the resumed run trains steps 3 and 4 of the same generation batch (its rollouts,
+    advantages and behaviour log-probs from the checkpoint: the weights that generated them are gone) and ends on
+    the uninterrupted run's weights, bit for bit."""
+    uninterrupted = _online_run(tmp_path / "a", 4)
+    ckpt = tmp_path / "step2.ckpt"
+    after_two = _online_run(tmp_path / "b", 2, save=ckpt)
+    resumed = _online_run(tmp_path / "c", 4, ckpt=ckpt)
+    assert any(not torch.equal(after_two[n], uninterrupted[n]) for n in uninterrupted)
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
