@@ -50,7 +50,8 @@ class OnlineRLCallback(Callback):
     ``rl/logical_tokens_per_sec`` (end to end), ``rl/policy_version`` and ``rl/staleness``. The progress bar shows
     ``reward``. With several steps per generation batch (the source's ``generation``) the ``rollout/*`` metrics,
     the generation time and the version describe the step's generation batch; the step's own tree (its
-    compression), PPO's ``train/clip_fraction`` and ``train/ratio_mean`` are the training module's ``train/*``.
+    compression), PPO's ``train/clip_fraction``, ``train/ratio_mean`` and ``train/ratio_std`` are the training
+    module's ``train/*``.
 
     Args:
         sft_warmup_steps: supervised steps on the environment's demonstrations before RL (0 = none); skipped
