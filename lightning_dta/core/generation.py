@@ -16,9 +16,9 @@ only on the batch (and, shuffled, on the seed and the batch's index), never on a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -60,6 +60,21 @@ class GenerationBatches:
         if self.split not in ("groups", "shuffled"):
             raise ConfigError(f"generation.split={self.split!r}. Fix: 'groups' (whole groups per step, the tree keeps "
                               "its sharing) or 'shuffled' (rollouts permuted across steps, as TRL does)")
+
+    @classmethod
+    def resolve(cls, generation: GenerationBatches | Mapping[str, Any] | None) -> GenerationBatches:
+        """``generation``, a mapping of its fields (Python callers, a checkpoint's hyper-parameters) or ``None`` (the
+        default: one step per generation batch)."""
+        if generation is None:
+            return cls()
+        if isinstance(generation, Mapping):
+            unknown = sorted(set(generation) - {field.name for field in dataclasses.fields(cls)})
+            if unknown:
+                raise ConfigError(f"generation has no option {unknown}. Fix: steps_per_generation, epochs, split")
+            return cls(**generation)
+        if not isinstance(generation, cls):
+            raise ConfigError(f"generation={generation!r}. Fix: a GenerationBatches, a mapping of its fields, or null")
+        return generation
 
     @property
     def steps_per_batch(self) -> int:

@@ -169,7 +169,7 @@ class RolloutDataModule(L.LightningDataModule):
             "partition_method": partition_method,
             "calibrate_cost_model": calibrate_cost_model, "shuffle": shuffle, "seed": seed,
             "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions,
-            "generation": None if generation is None else generation.to_dict()})
+            "generation": None if generation is None else GenerationBatches.resolve(generation).to_dict()})
         if path is not None:
             self.source: StepSource = FileSteps(path, rollouts_per_step, advantage_estimator, shuffle, seed,
                                                 advantage_options, generation)

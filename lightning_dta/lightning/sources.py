@@ -86,7 +86,7 @@ class FileSteps:
         self.advantage_estimator = advantage_estimator
         self.advantage_options = advantage_options
         self.shuffle, self.seed = shuffle, seed
-        self.generation = generation or GenerationBatches()
+        self.generation = GenerationBatches.resolve(generation)
         self._batches: list[list[Rollout]] = []  # the generation batches (the steps, by default), estimated
         self._steps: list[list[list[Rollout]]] | None = None  # each generation batch's steps
         self._lines: list[int] = []  # the file's line of each rollout, for errors
@@ -119,7 +119,8 @@ class FileSteps:
         _warn_about_file(self.path, self._lines, batches, size, self.advantage_estimator, unit)
 
     def _check_groups_within_steps(self, rollouts: list[Rollout], size: int, unit: str) -> None:
-        """Refuse a group whose rollouts fall into two steps (module docstring), naming a line in each."""
+        """Refuse a group whose rollouts fall into two steps (or generation batches: ``unit``), naming a line in
+        each (class docstring)."""
         first: dict = {}  # group -> index of its first rollout
         what = "rollouts_per_step" if unit == "step" else "rollouts_per_step x steps_per_generation"
         for index, rollout in enumerate(rollouts):
@@ -193,7 +194,7 @@ class IterableSteps:
         self.source = source
         self.advantage_estimator = advantage_estimator
         self.advantage_options = advantage_options
-        self.generation = generation or GenerationBatches()
+        self.generation = GenerationBatches.resolve(generation)
         self.seed = seed
 
     def __len__(self) -> int:

@@ -137,7 +137,7 @@ class OnlineRolloutSource:
                  add_bos: bool = True, max_context: int | None = None,
                  advantage_options: dict[str, Any] | None = None,
                  generation: GenerationBatches | None = None) -> None:
-        generation = generation or GenerationBatches()
+        generation = GenerationBatches.resolve(generation)
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):

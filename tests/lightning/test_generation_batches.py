@@ -163,9 +163,11 @@ def test_generation_batches_that_cannot_be_split_are_refused(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"12 rollouts cannot be cut into steps_per_generation=5 .*Fix: "):
         RolloutDataModule(path=path, advantage_estimator="grpo",
                           generation=GenerationBatches(steps_per_generation=5, split="shuffled")).setup()
-    for bad in (dict(steps_per_generation=0), dict(epochs=1.5), dict(split="random")):
+    for bad in (dict(steps_per_generation=0), dict(epochs=1.5), dict(split="random"), dict(steps=2)):
         with pytest.raises(ConfigError, match="Fix: "):
-            GenerationBatches(**bad)
+            GenerationBatches.resolve(bad)
+    as_mapping = RolloutDataModule(path=path, advantage_estimator="grpo", generation={"steps_per_generation": 3})
+    assert as_mapping.source.generation == GenerationBatches(steps_per_generation=3) and len(as_mapping.source) == 3
 
 
 def test_a_group_across_two_generation_batches_is_refused_naming_the_batch(tmp_path: Path) -> None:
