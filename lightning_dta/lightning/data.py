@@ -23,7 +23,9 @@ included), and stop where it differs, instead of pairing the collectives inside 
 Resuming. ``state_dict`` records the epoch and how many of its steps were trained, and the source's own state;
 Lightning saves it in the checkpoint and a resumed run starts at the next step. Under a Trainer a step counts as
 trained when Lightning hands it to the training step (``on_before_batch_transfer``), so batches that Lightning
-prefetched but did not train are not counted; standalone, a step counts as soon as it is yielded.
+prefetched but did not train are not counted; standalone, a step counts as soon as it is yielded. The position
+counts optimizer steps, also when a generation batch feeds several (``generation``): a run stopped in the middle of
+one resumes at its next step, with the same advantages and split.
 
 Device transfer. The datamodule's ``transfer_batch_to_device`` hands a ``StepBatch`` over unchanged: the
 tree's token tensors stay in host memory, where the engine indexes them cheaply, and the engine moves each
@@ -108,7 +110,8 @@ class RolloutDataModule(L.LightningDataModule):
             lightning_dta.rl.OnlineRolloutSource`` with its ``init_args``; ``--data.source.help
             lightning_dta.rl.OnlineRolloutSource`` lists them), or in Python any iterable of steps (each a sequence
             of rollouts) or a callable returning one.
-        rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step.
+        rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step (with
+            ``generation``, ``steps_per_generation`` such chunks form a generation batch).
         advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
             (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step, or ``"gae"``
             (the rewards pass through and ``DTAModule(critic=...)`` estimates advantages in the step).
