@@ -76,6 +76,16 @@ class GenerationBatches:
             raise ConfigError(f"generation={generation!r}. Fix: a GenerationBatches, a mapping of its fields, or null")
         return generation
 
+    def check_estimator(self, advantage_estimator: str | None) -> None:
+        """Refuse GAE with several steps per generation batch: the critic estimates in each training step, from its
+        values of that moment and whitened over that step, where verl takes the values once before the batch's
+        first update and whitens over the whole batch; training would differ silently."""
+        if advantage_estimator == "gae" and not self.is_default:
+            raise ConfigError(f"advantage_estimator='gae' with generation={self}: the critic estimates GAE in each "
+                              "optimizer step (its values of that step, whitened over that step), not once per "
+                              "generation batch. Fix: steps_per_generation: 1 and epochs: 1 with gae, or a group "
+                              "estimator (grpo, grpo-no-std, reinforce-baseline)")
+
     @property
     def steps_per_batch(self) -> int:
         """The optimizer steps one generation batch feeds, all passes together."""

@@ -87,6 +87,7 @@ class FileSteps:
         self.advantage_options = advantage_options
         self.shuffle, self.seed = shuffle, seed
         self.generation = GenerationBatches.resolve(generation)
+        self.generation.check_estimator(advantage_estimator)
         self._batches: list[list[Rollout]] = []  # the generation batches (the steps, by default), estimated
         self._steps: list[list[list[Rollout]]] | None = None  # each generation batch's steps
         self._lines: list[int] = []  # the file's line of each rollout, for errors
@@ -195,6 +196,7 @@ class IterableSteps:
         self.advantage_estimator = advantage_estimator
         self.advantage_options = advantage_options
         self.generation = GenerationBatches.resolve(generation)
+        self.generation.check_estimator(advantage_estimator)
         self.seed = seed
 
     def __len__(self) -> int:

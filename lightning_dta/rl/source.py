@@ -138,6 +138,7 @@ class OnlineRolloutSource:
                  advantage_options: dict[str, Any] | None = None,
                  generation: GenerationBatches | None = None) -> None:
         generation = GenerationBatches.resolve(generation)
+        generation.check_estimator(advantage_estimator)
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):

@@ -166,6 +166,8 @@ def test_generation_batches_that_cannot_be_split_are_refused(tmp_path: Path) -> 
     for bad in (dict(steps_per_generation=0), dict(epochs=1.5), dict(split="random"), dict(steps=2)):
         with pytest.raises(ConfigError, match="Fix: "):
             GenerationBatches.resolve(bad)
+    with pytest.raises(ConfigError, match="'gae' .*Fix: "):  # the critic would estimate per step
+        RolloutDataModule(path=path, advantage_estimator="gae", generation=GenerationBatches(steps_per_generation=2))
     as_mapping = RolloutDataModule(path=path, advantage_estimator="grpo", generation={"steps_per_generation": 3})
     assert as_mapping.source.generation == GenerationBatches(steps_per_generation=3) and len(as_mapping.source) == 3
 
