@@ -49,7 +49,8 @@ class OnlineRLCallback(Callback):
     ``rl/slowest_generation_rank`` / ``rl/slowest_train_rank`` beside them,
     ``rl/logical_tokens_per_sec`` (end to end), ``rl/policy_version`` and ``rl/staleness``. The progress bar shows
     ``reward``. With several steps per generation batch (the source's ``generation``) the ``rollout/*`` metrics,
-    the generation time and the version describe the step's generation batch; the step's own tree (its
+    the generation time and ``rl/policy_version`` describe the step's generation batch (``rl/staleness`` counts the
+    optimizer steps since it was generated: 0, 1, 2, ... over its steps); the step's own tree (its
     compression), PPO's ``train/clip_fraction``, ``train/ratio_mean`` and ``train/ratio_std`` are the training
     module's ``train/*``.
 

@@ -220,9 +220,10 @@ class OnlineRolloutSource:
             label = f"generation batch {index} of the online source"
             self._steps_left = self.generation.split_batch(batch, self.seed, index, label)
             self._batch_info = self.last_step
-        elif self._batch_info is not None:  # a later step of the batch: the batch's content, this step's times
-            self.last_step = dataclasses.replace(self._batch_info, generation_sec=0.0, wait_sec=0.0, prepare_sec=0.0,
-                                                 requested_at=time.perf_counter())
+        elif self._batch_info is not None:  # a later step of the batch: the batch's content, this step's times and
+            # version (its staleness counts the optimizer steps since the batch was generated)
+            self.last_step = dataclasses.replace(self._batch_info, trained_version=self._version, generation_sec=0.0,
+                                                 wait_sec=0.0, prepare_sec=0.0, requested_at=time.perf_counter())
         each = self.generation.steps_per_batch
         position = each - len(self._steps_left)
         index = self._next_index - 1

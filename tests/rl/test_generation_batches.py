@@ -97,13 +97,14 @@ def test_from_the_second_step_of_a_generation_batch_the_ratio_departs_from_1_and
                                  samples_per_prompt=4, generation=GenerationBatches(steps_per_generation=4))
     module = dta.DTAModule(tiny_policy(scale=3.0), optimizer=functools.partial(torch.optim.Adam, lr=0.05),
                            loss=dta.PolicyLoss(clip_eps=0.2))
-    metrics = Metrics()
+    metrics, online = Metrics(), OnlineRLCallback(print_every_n_steps=0, reward_plot=None)
     trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=4, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=tmp_path,
-                        callbacks=[OnlineRLCallback(print_every_n_steps=0, reward_plot=None), metrics])
+                        default_root_dir=tmp_path, callbacks=[online, metrics])
     trainer.fit(module, RolloutDataModule(source=source))
     assert len(source.history) == 1  # one generation batch fed the four steps
+    assert [h["rl/staleness"] for h in online.history] == [0, 1, 2, 3]
+    assert [h["rl/policy_version"] for h in online.history] == [0, 0, 0, 0]
     first, *later = metrics.steps
     assert first["train/clip_fraction"] == 0.0
     assert first["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["train/ratio_std"] < 1e-5
