@@ -58,7 +58,7 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
         with SavedTensorMeter(model) as body:
             forward_batch(model, info, batch, None, [torch.arange(0)])
         with SavedTensorMeter(model) as whole:
-            logits, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
+            logits, _, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
             # log-probs and entropies, or a critic's values (the temperature does not change what is saved)
             loss_inputs(loss_fn, logits[0], targets, dtype, 1.0)
         rows, columns = 8, 16

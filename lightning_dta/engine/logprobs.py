@@ -35,7 +35,7 @@ class LogprobWalk(TreeWalk):
 
     def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
                  values: bool = False) -> None:
-        super().__init__(tree, engine, info.packs_siblings)
+        super().__init__(tree, engine, info.packs_siblings, info.recurrent)
         self.model = model
         self.info = info
         self.values = values
@@ -77,13 +77,16 @@ class LogprobWalk(TreeWalk):
     def visit_batch(self, chunks: list[Chunk]) -> None:
         batch = SiblingBatch.of(self.tree, chunks, self.info.packs_siblings)
         past, _ = self.kv.past(batch.start, requires_grad=False)
-        logits, new_kv = forward_batch(self.model, self.info, batch, past, None)
+        states, _ = self.states.past(batch.start, requires_grad=False)
+        logits, new_kv, new_states = forward_batch(self.model, self.info, batch, past, None, states)
         for chunk_logits, chunk in zip(logits, chunks):
             self._record(chunk_logits, chunk)
         for row, chunk in enumerate(chunks):
             if chunk.has_children:
                 self.kv.write(chunk.start, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
+                self.states.write(chunk.end, [tuple(t[row:row + 1] for t in layer) for layer in new_states])
                 self.descend(chunk)
+                self.states.drop(chunk.end)
 
 
 class CousinLogprobWalk(LogprobWalk):

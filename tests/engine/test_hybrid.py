@@ -1,0 +1,178 @@
+"""Hybrid models (recurrent layers next to attention) walk the tree exactly: each node continues from its parent's
+end state (the convolution window and the scan's state), and the gradients its children send to that state reach
+the parent's backward.
+
+References are per-rollout training (tests/helpers/reference.py). transformers runs the Gated DeltaNet core in
+float32 even in float64 models (its kernels cast), and splitting one scan at other points moves the tiny
+``A_log`` / ``dt_bias`` gradients by ~1e-5 of their own norm; :func:`float64_recurrent_cores` runs those cores in
+float64 for both sides, so the comparison keeps the float64 tolerance of the other exactness tests (1e-5: the
+float32 RMSNorms of these families agree to ~1e-7).
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+import lightning_dta as dta
+from lightning_dta.engine.model_info import inspect_model
+from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_tree_rollouts
+from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
+
+RTOL64 = 1e-5
+WALKED = ["qwen3_5", "qwen3_next", "lfm2"]
+
+CONFIGS = {
+    "keep-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
+    "keep-batched": dict(mode="dfs"),
+    # chunks shorter than the convolution kernel (4) and than the scan's chunk: every boundary is a hand-over
+    "keep-chunk1": dict(mode="dfs", chunk_size=1),
+    "recompute-chunk2": dict(mode="dfs", activation="recompute", chunk_size=2),
+    "recompute-chunk3-batched": dict(mode="dfs", activation="recompute", chunk_size=3, sibling_batch_tokens=16),
+}
+
+
+class _Float64Torch(types.ModuleType):
+    """``torch`` as a modeling module sees it, with ``torch.float32`` meaning float64."""
+
+    def __getattr__(self, name: str):
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+@pytest.fixture(autouse=True)
+def float64_recurrent_cores(monkeypatch):
+    """Run the Gated DeltaNet cores (``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``, which
+    cast to ``torch.float32``) in float64, for the reference and the tree alike."""
+    for module in (modeling_qwen3_5, modeling_qwen3_next):
+        monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
+
+
+def tree_rollouts(seed: int = 1) -> list[dta.Rollout]:
+    """A multi-level tree whose nodes are of many lengths, one token included (shorter than the conv kernel)."""
+    rollouts = random_tree_rollouts(random.Random(seed), num_rollouts=10, max_depth=3)
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    inner = [n for n in tree.nodes[1:] if not n.is_leaf]
+    assert len(inner) >= 3 and any(n.parent is not tree.root for n in inner), "the tree must branch at many levels"
+    assert any(n.length < CONV_KERNEL for n in tree.nodes[1:]), "some node must be shorter than the conv kernel"
+    return rollouts
+
+
+@pytest.mark.parametrize("family", WALKED)
+@pytest.mark.parametrize("config_name", list(CONFIGS))
+def test_gradients_match_per_rollout_training(family, config_name):
+    model = make_model(family)
+    rollouts = tree_rollouts()
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **CONFIGS[config_name])
+    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
+    recurrent = [n for n in ref if any(k in n for k in ("linear_attn", ".conv."))]
+    assert recurrent and all(float(ref[n].norm()) > 0 for n in recurrent), "the recurrent layers must be trained"
+    assert_grads_close(got, ref, RTOL64, what=f"{family} {config_name}")
+
+
+def test_recurrent_state_gradient_reaches_the_parent():
+    """Without the state's gradient the parent's recurrent layer would miss its children's share: a tree whose only
+    trained tokens lie in the children gives the recurrent parameters of the shared prefix their whole gradient
+    through the state (and the keys/values of the attention layer)."""
+    model = make_model("qwen3_5")
+    rng = random.Random(5)
+    prefix = [rng.randrange(48) for _ in range(9)]
+    rollouts = []
+    for _ in range(3):
+        r = make_rollout(rng, prefix + [rng.randrange(48) for _ in range(rng.randint(2, 5))])
+        r.loss_mask = [0] * len(prefix) + [1] * (len(r.input_ids) - len(prefix))
+        rollouts.append(r)
+    loss_fn = dta.PolicyLoss(kl_coef=0.1)
+    _, ref = reference_grads(model, rollouts, loss_fn)
+    for config in (CONFIGS["keep-batched"], CONFIGS["recompute-chunk2"]):
+        _, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
+        assert_grads_close(got, ref, RTOL64, what=str(config))
+
+
+@pytest.mark.parametrize("family", WALKED)
+def test_each_tree_token_is_forwarded_once(family):
+    """A shared walk, not a per-rollout fallback (which would be exact too): the input embedding sees each tree
+    token once in keep mode with siblings unbatched."""
+    model = make_model(family)
+    rollouts = tree_rollouts()
+    for r in rollouts:  # every token trained: no leaf is skipped for having nothing to train
+        r.loss_mask = None
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    assert tree.stats.logical_tokens > tree.stats.tree_tokens
+    seen = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: seen.append(args[0].numel()))
+    try:
+        dta.tree_backward(model, tree, dta.PolicyLoss(), mode="dfs", sibling_batch_tokens=None)
+    finally:
+        hook.remove()
+    assert sum(seen) == tree.stats.tree_tokens, (sum(seen), tree.stats.tree_tokens, tree.stats.logical_tokens)
+
+
+@pytest.mark.parametrize("family", WALKED)
+@pytest.mark.parametrize("options", [dict(), dict(sibling_batch_tokens=None, chunk_size=1), dict(chunk_size=3)],
+                         ids=["batched", "unbatched-chunk1", "chunk3"])
+def test_tree_logprobs_match_per_rollout(family, options):
+    model = make_model(family)
+    rollouts = tree_rollouts(seed=2)
+    got = dta.tree_logprobs(model, dta.PrefixTree.from_rollouts(rollouts), **options)
+    with torch.no_grad():
+        for r, logp in zip(rollouts, got):
+            ids = torch.tensor([r.input_ids])
+            expected = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            torch.testing.assert_close(logp, expected, rtol=0, atol=1e-9)
+
+
+def test_vanilla_as_before():
+    model = make_model("qwen3_5")
+    rollouts = tree_rollouts()
+    ref_loss, ref = reference_grads(model, rollouts, dta.PolicyLoss())
+    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(), mode="vanilla")
+    assert out.loss == pytest.approx(ref_loss, rel=1e-9)
+    assert_grads_close(got, ref, RTOL64, what="vanilla")
+
+
+def test_mask_mode_is_refused():
+    model = make_model("qwen3_5")
+    tree = dta.PrefixTree.from_rollouts(tree_rollouts())
+    with pytest.raises(dta.ModelNotSupportedError, match="a mask cannot reach a recurrent layer.*Fix: use mode='dfs'"):
+        dta.tree_backward(model, tree, dta.PolicyLoss(), mode="mask")
+
+
+def test_prefix_attention_is_off_and_refused_when_required():
+    """Packing siblings into one row would run one scan across them: the engine uses the model's own attention."""
+    model = make_model("qwen3_5")
+    assert not inspect_model(model, True, None, None).packs_siblings
+    with pytest.raises(dta.ModelNotSupportedError, match="recurrent layer would run one scan across the siblings"):
+        inspect_model(model, True, True, None)
+
+
+def test_unknown_layer_kind_is_refused_by_name():
+    model = make_model("qwen3_5")
+    model.config.layer_types = ["mystery_state", *model.config.layer_types[1:]]
+    with pytest.raises(dta.ModelNotSupportedError, match=r"\['mystery_state'\].*does not know.*Fix: mode='vanilla'"):
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
+
+
+def test_unknown_recurrent_mixer_is_refused_by_name():
+    model = make_model("qwen3_5")
+    mixer = model.model.layers[0].linear_attn
+    mixer.__class__ = type("MysteryMixer", (type(mixer),), {})
+    with pytest.raises(dta.ModelNotSupportedError, match="MysteryMixer is of a kind the tree engine does not know"):
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
+
+
+@pytest.mark.parametrize("family", ["mamba2", "nemotron_h"])
+def test_mamba2_mixers_are_refused_with_the_reason(family):
+    model = make_model(family)
+    tree = dta.PrefixTree.from_rollouts(tree_rollouts())
+    with pytest.raises(dta.ModelNotSupportedError, match="Mamba2Mixer cannot be walked yet: its one-token path"):
+        dta.tree_backward(model, tree, dta.PolicyLoss())
+    with pytest.raises(dta.ModelNotSupportedError, match="Mamba2Mixer"):
+        dta.tree_logprobs(model, tree)
+    dta.tree_backward(model, tree, dta.PolicyLoss(), mode="vanilla")  # vanilla as before
