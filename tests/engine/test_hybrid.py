@@ -53,11 +53,25 @@ def float64_recurrent_cores(monkeypatch):
 
 
 def tree_rollouts(seed: int = 1) -> list[dta.Rollout]:
-    """A multi-level tree whose nodes are of many lengths, one token included (shorter than the conv kernel)."""
-    rollouts = random_tree_rollouts(random.Random(seed), num_rollouts=10, max_depth=3)
+    """A random multi-level tree, and next to it one whose root has inner children of lengths 3, 3, 8, 7 and 1 (so
+    sibling batches must keep those that hand a state on apart by length) and a leaf, each inner child with leaves
+    of its own; nodes of one token are shorter than the conv kernel."""
+    rng = random.Random(seed)
+    rollouts = random_tree_rollouts(rng, num_rollouts=10, max_depth=3)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(48) for _ in range(n)]
+
+    prefix = tokens(7)
+    for child in (3, 3, 8, 7, 1):
+        middle = tokens(child)
+        rollouts += [make_rollout(rng, prefix + middle + tokens(n)) for n in (2, 4)]
+    rollouts.append(make_rollout(rng, prefix + tokens(4)))
     tree = dta.PrefixTree.from_rollouts(rollouts)
     inner = [n for n in tree.nodes[1:] if not n.is_leaf]
-    assert len(inner) >= 3 and any(n.parent is not tree.root for n in inner), "the tree must branch at many levels"
+    assert any(len({c.length for c in n.children if not c.is_leaf}) >= 3 for n in tree.nodes), \
+        "inner siblings of different lengths"
+    assert any(n.parent is not tree.root for n in inner), "the tree must branch at many levels"
     assert any(n.length < CONV_KERNEL for n in tree.nodes[1:]), "some node must be shorter than the conv kernel"
     return rollouts
 
