@@ -49,9 +49,7 @@ LAYER_KINDS: dict[str, LayerKind] = {
 MIXER_KINDS: dict[str, str | None] = {
     "GatedDeltaNet": None,
     "ShortConv": None,
-    "Mamba2Mixer": ("its one-token path (mamba2_selective_state_update) writes the recurrent state in place after "
-                    "reading it for the output's gradient, so a one-token node could not send a gradient back to "
-                    "its parent's state"),
+    "Mamba2Mixer": None,
 }
 
 

@@ -27,6 +27,42 @@ LinearAttentionCacheLayerMixin, _ = cache_layer_classes()
 States = list[tuple[torch.Tensor, ...]]
 
 
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__iadd__", "__isub__",
+                                                                          "__imul__", "__itruediv__")
+
+
+class HandedState(torch.Tensor):
+    """A state as a mixer receives it. transformers' one-token decode paths write the new state into the one they
+    read (``mamba2_selective_state_update``: ``state.copy_(new)``), which would overwrite the parent's state and,
+    with grad, the very tensor saved for the output's gradient. Here that ``copy_`` writes nothing: it records its
+    source as the layer's new state, out of place. Any other in-place operation on it is refused. Every other
+    operation runs on the plain tensor and returns plain tensors, in the graph as usual."""
+
+    layer: StateLayer
+    state_name: str
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else None
+        if isinstance(target, cls) and func is torch.Tensor.copy_:
+            target.layer.new[target.state_name] = args[1].to(target.dtype)
+            return target
+        if isinstance(target, cls) and _in_place(func):
+            raise RuntimeError(f"a recurrent mixer ran {func.__name__} in place on the {target.state_name} state the engine "
+                               "handed it; the tree walk needs every state update out of place")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def of(cls, state: torch.Tensor, layer: StateLayer, name: str) -> HandedState:
+        handed = state.as_subclass(cls)
+        handed.layer, handed.state_name = layer, name
+        return handed
+
+
 class StateLayer(LinearAttentionCacheLayerMixin):
     """A recurrent layer's cache for one forward: starts from ``initial`` (the path's state, or ``None`` at a
     root) and records the state at the end of the chunk, out of place, without a copy."""
@@ -39,7 +75,7 @@ class StateLayer(LinearAttentionCacheLayerMixin):
         self.kind = kind
         self.new: dict[str, torch.Tensor] = {}
         if initial is not None:
-            given = dict(zip(kind.states, initial))
+            given = {name: HandedState.of(state, self, name) for name, state in zip(kind.states, initial)}
             self.conv_states[0] = given.get("conv")
             self.recurrent_states[0] = given.get("recurrent")
             self.has_previous_state[0] = True
