@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.layer_kinds import LayerKind, cache_layer_classes
 
 LinearAttentionCacheLayerMixin, _ = cache_layer_classes()
@@ -37,8 +38,12 @@ class HandedState(torch.Tensor):
     """A state as a mixer receives it. transformers' one-token decode paths write the new state into the one they
     read (``mamba2_selective_state_update``: ``state.copy_(new)``), which would overwrite the parent's state and,
     with grad, the very tensor saved for the output's gradient. Here that ``copy_`` writes nothing: it records its
-    source as the layer's new state, out of place. Any other in-place operation on it is refused. Every other
-    operation runs on the plain tensor and returns plain tensors, in the graph as usual."""
+    source as the layer's new state, out of place. Any other in-place operation on it is refused (a mixer the engine
+    cannot walk). Every other operation runs on the plain tensor and returns plain tensors, in the graph as usual.
+
+    Kernels that write through a pointer (mamba_ssm's Triton ``selective_state_update`` on CUDA) bypass this; the
+    state they fail to hand back through the cache is then refused by :func:`~lightning_dta.engine.forward.
+    forward_batch`, never walked wrongly."""
 
     layer: StateLayer
     state_name: str
@@ -51,8 +56,10 @@ class HandedState(torch.Tensor):
             target.layer.new[target.state_name] = args[1].to(target.dtype)
             return target
         if isinstance(target, cls) and _in_place(func):
-            raise RuntimeError(f"a recurrent mixer ran {func.__name__} in place on the {target.state_name} state the engine "
-                               "handed it; the tree walk needs every state update out of place")
+            raise ModelNotSupportedError(
+                f"a recurrent mixer ran {func.__name__} in place on the {target.state_name} state the engine handed "
+                "it, which would overwrite the parent's state; the tree walk needs every state update out of place. "
+                "Fix: mode='vanilla'.")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

@@ -39,6 +39,7 @@ CONFIGS = {
     "keep-chunk1": dict(mode="dfs", chunk_size=1),
     "recompute-chunk2": dict(mode="dfs", activation="recompute", chunk_size=2),
     "recompute-chunk3-batched": dict(mode="dfs", activation="recompute", chunk_size=3, sibling_batch_tokens=16),
+    "auto": dict(mode="dfs", activation="auto", activation_memory_budget=400_000),
 }
 
 
@@ -201,5 +202,5 @@ def test_a_state_written_in_place_is_recorded_not_written():
     handed.copy_(new)
     torch.testing.assert_close(layer.new["recurrent"], new, rtol=0, atol=0)
     assert torch.equal(parent, handed.as_subclass(torch.Tensor)) and not torch.equal(parent, new)
-    with pytest.raises(RuntimeError, match="mul_ in place on the recurrent state"):
+    with pytest.raises(dta.ModelNotSupportedError, match="mul_ in place on the recurrent state.*Fix: mode='vanilla'"):
         handed.mul_(2.0)
