@@ -138,10 +138,10 @@ def forward_cousins(model: nn.Module, info: ModelInfo, batch, levels: list) -> t
 def _check_layers(model: nn.Module, info: ModelInfo, recorder) -> None:
     if info.kv_layers is not None and len(recorder) != info.kv_layers:
         raise ModelNotSupportedError(
-            f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.kv_layers} attention "
-            "layers in a "
-            "forward; the tree engine needs every layer's (layers without a KV cache, such as linear-attention or "
-            "state-space layers, cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
+            f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.kv_layers} layers with "
+            "attention in a forward; the tree engine needs every such layer's (a layer that mixes tokens outside the "
+            "cache, such as a custom attention path or a recurrent layer that config.layer_types does not declare, "
+            "cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
             + (", or prefix_attention=False if the model's attention bypasses the attention interface"
                if info.packs_siblings else "") + ".")
 

@@ -161,8 +161,9 @@ def test_vanilla_as_before():
     assert_grads_close(got, ref, RTOL64, what="vanilla")
 
 
-def test_mask_mode_is_refused():
-    model = make_model("qwen3_5")
+@pytest.mark.parametrize("family", WALKED)
+def test_mask_mode_is_refused(family):
+    model = make_model(family)
     tree = dta.PrefixTree.from_rollouts(tree_rollouts())
     with pytest.raises(dta.ModelNotSupportedError, match="a mask cannot reach a recurrent layer.*Fix: use mode='dfs'"):
         dta.tree_backward(model, tree, dta.PolicyLoss(), mode="mask")
