@@ -56,8 +56,10 @@ MIXER_KINDS: dict[str, str | None] = {
 def cache_layer_classes() -> tuple[type, type]:
     """transformers' base class of recurrent cache layers and its cache layer of layers without a cache (``object``
     for each where this release lacks them: :func:`check_layer_kinds` then refuses recurrent models)."""
-    return (getattr(cache_utils, "LinearAttentionCacheLayerMixin", object),
-            getattr(cache_utils, "DummyLayer", object))
+    # optional library features: transformers releases before the recurrent cache contract lack them
+    mixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", object)
+    # optional library feature, as above
+    return mixin, getattr(cache_utils, "DummyLayer", object)
 
 
 def model_layer_kinds(text_config) -> tuple[str, ...] | None:

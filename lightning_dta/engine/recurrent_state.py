@@ -29,7 +29,7 @@ States = list[tuple[torch.Tensor, ...]]
 
 
 def _in_place(func) -> bool:
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "")  # a library's callable: not every one dispatched here has a name
     return (name.endswith("_") and not name.startswith("__")) or name in ("__setitem__", "__iadd__", "__isub__",
                                                                           "__imul__", "__itruediv__")
 
