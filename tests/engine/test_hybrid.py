@@ -27,7 +27,7 @@ from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.recurrent_state import StateLayer
 from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_tree_rollouts
-from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
+from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads, reference_value_loss
 
 RTOL64 = 1e-5
 WALKED = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "nemotron_h"]
@@ -98,6 +98,20 @@ def test_gradients_match_per_rollout_training(family, config_name):
                  if getattr(m, "layer_type", None) in ("linear_attention", "conv") for p, _ in m.named_parameters()]
     assert recurrent and all(float(ref[n].norm()) > 0 for n in recurrent), "the recurrent layers must be trained"
     assert_grads_close(got, ref, RTOL64, what=f"{family} {config_name}")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("loss_fn", [dta.PolicyLoss(loss_mode="gspo", clip_eps=3e-4, clip_eps_high=4e-4),
+                                     dta.PolicyLoss(loss_mode="cispo", clip_eps_high=0.3, agg="seq-mean-token-sum")],
+                         ids=["gspo", "cispo"])
+def test_other_objectives(family, loss_fn):
+    """GSPO's sequence ratio comes from a forward-only walk (``tree_logprobs``) before the training walk."""
+    model = make_model(family)
+    rollouts = tree_rollouts()
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **CONFIGS["recompute-chunk2"])
+    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_grads_close(got, ref, RTOL64, what=f"{family} {loss_fn.loss_mode}")
 
 
 def test_recurrent_state_gradient_reaches_the_parent():
@@ -205,3 +219,32 @@ def test_a_state_written_in_place_is_recorded_not_written():
     assert torch.equal(parent, handed.as_subclass(torch.Tensor)) and not torch.equal(parent, new)
     with pytest.raises(dta.ModelNotSupportedError, match="mul_ in place on the recurrent state.*Fix: mode='vanilla'"):
         handed.mul_(2.0)
+
+
+@pytest.mark.parametrize("family", WALKED)
+def test_a_hybrid_critic_is_exact(family):
+    """A critic on a hybrid (``dta.value_model``): ``tree_values`` equal the per-rollout head outputs, and the value
+    loss's gradients equal per-rollout training."""
+    critic = dta.value_model(make_model(family))
+    with torch.no_grad():  # a head that is not zero: values that differ by position
+        critic.get_output_embeddings().weight.normal_(0, 0.5)
+    rng = random.Random(3)
+    rollouts = tree_rollouts(seed=3)
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    values = dta.tree_values(critic, tree, chunk_size=2)
+    with torch.no_grad():
+        for r, v in zip(rollouts, values):
+            expected = critic(input_ids=torch.tensor([r.input_ids])).logits[0, :-1, 0]
+            torch.testing.assert_close(v, expected, rtol=0, atol=1e-9)
+    for r, v in zip(rollouts, values):
+        r.returns = [0.0] + [rng.gauss(0, 1) for _ in range(len(r) - 1)]
+        r.old_values = [0.0] + [float(x) + rng.gauss(0, 0.05) for x in v]
+    loss_fn = dta.ValueLoss(clip_eps=0.1)
+    critic.zero_grad(set_to_none=True)
+    ref_loss = reference_value_loss(critic, rollouts, loss_fn)
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None}
+    for config in (CONFIGS["keep-batched"], CONFIGS["recompute-chunk2"]):
+        out, got = engine_grads(critic, tree, loss_fn, **config)
+        assert out.loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
+        assert_grads_close(got, ref, RTOL64, what=f"critic {family} {config}")
