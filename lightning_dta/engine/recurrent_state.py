@@ -125,8 +125,9 @@ class PathStates:
     """The recurrent states at the end of each chunk on the path, keyed by that end position, and (for training)
     the gradients the chunks below sent to them."""
 
-    def __init__(self, with_grads: bool = True) -> None:
+    def __init__(self, with_grads: bool = True, required: bool = False) -> None:
         self.with_grads = with_grads
+        self.required = required  # the model has recurrent layers: every chunk past a root continues from a state
         self.states: dict[int, States] = {}
         self.state_grads: dict[int, list[torch.Tensor]] = {}
 
@@ -141,8 +142,10 @@ class PathStates:
     def past(self, start: int, requires_grad: bool) -> tuple[States | None, list[torch.Tensor]]:
         """The state a chunk starting at ``start`` continues from (``None`` at a root) and the leaves whose
         gradients to collect."""
-        if start == 0 or start not in self.states:
+        if start == 0 or not self.required:
             return None, []
+        if start not in self.states:  # starting from zeros instead would train on something else, silently
+            raise RuntimeError(f"no recurrent state on the path at position {start}; this is a bug in lightning_dta")
         if not requires_grad:
             return self.states[start], []
         past = [tuple(t.detach().requires_grad_() for t in layer) for layer in self.states[start]]

@@ -125,7 +125,7 @@ class TreeWalk:
         self.packed = packed  # sibling batches are packed rows (prefix attention), else padded rows
         self.recurrent = recurrent  # the model has recurrent layers: chunks hand on a state at their end
         self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=self.with_grads)
-        self.states = PathStates(with_grads=self.with_grads)
+        self.states = PathStates(with_grads=self.with_grads, required=recurrent)
 
     def run(self) -> None:
         with recursion_room(self.deepest_chain()):
