@@ -28,7 +28,7 @@ from lightning_dta.engine.activation_budget import ActivationBudget, measure_rat
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
 from lightning_dta.engine.options import EngineOptions
-from lightning_dta.engine.recurrent_state import flatten
+from lightning_dta.engine.recurrent_state import flatten, row_states
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import ChunkTargets, StepData
 from lightning_dta.engine.walk import Chunk, TreeWalk
@@ -204,7 +204,7 @@ class DFSWalk(DFSSchedule):
                 if not chunk.has_children:
                     continue
                 self.kv.write(chunk.start, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
-                self.states.write(chunk.end, [tuple(t[row:row + 1] for t in layer) for layer in new_states])
+                self.states.write(chunk.end, row_states(new_states, row))
                 self.descend(chunk)
                 for grad, path_grad in zip(kv_grads, self.kv.grads(chunk.start, chunk.end)):
                     batch.row(grad, row).copy_(path_grad)

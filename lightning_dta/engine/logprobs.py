@@ -21,6 +21,7 @@ from lightning_dta.engine.device import expected_sync, to_device
 from lightning_dta.engine.forward import forward_batch, forward_cousins
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.recurrent_state import row_states
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import StepData, check_tree_fits_model
 from lightning_dta.engine.token_scores import token_scores
@@ -84,7 +85,7 @@ class LogprobWalk(TreeWalk):
         for row, chunk in enumerate(chunks):
             if chunk.has_children:
                 self.kv.write(chunk.start, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
-                self.states.write(chunk.end, [tuple(t[row:row + 1] for t in layer) for layer in new_states])
+                self.states.write(chunk.end, row_states(new_states, row))
                 self.descend(chunk)
                 self.states.drop(chunk.end)
 

@@ -121,6 +121,11 @@ def flatten(states: States) -> list[torch.Tensor]:
     return [t for layer in states for t in layer]
 
 
+def row_states(states: States, row: int) -> States:
+    """Row ``row``'s states of a sibling batch (one row each: a model with recurrent layers never packs siblings)."""
+    return [tuple(t[row:row + 1] for t in layer) for layer in states]
+
+
 class PathStates:
     """The recurrent states at the end of each chunk on the path, keyed by that end position, and (for training)
     the gradients the chunks below sent to them."""
