@@ -97,8 +97,9 @@ class StateLayer(LinearAttentionCacheLayerMixin):
         previous = self.conv_states[0]
         if conv_kernel_size is None:
             if previous is None:
-                raise RuntimeError("a mixer updated its convolution window without its kernel size; "
-                                   "this transformers mixer does not follow the cache contract the engine relies on")
+                raise ModelNotSupportedError(
+                    "a recurrent mixer updated its convolution window without its kernel size, which the cache "
+                    "contract the engine relies on passes (transformers 5.24). Fix: mode='vanilla'.")
             conv_kernel_size = previous.shape[-1]
         full = conv_states if previous is None else torch.cat([previous.to(conv_states.dtype), conv_states], dim=-1)
         padded = F.pad(full, (max(conv_kernel_size - full.shape[-1], 0), 0))
