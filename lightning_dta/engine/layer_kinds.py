@@ -41,15 +41,19 @@ LAYER_KINDS: dict[str, LayerKind] = {
 }
 
 
-# The recurrent mixers, by the end of their class name (one entry per mixer kind, whatever the family: Qwen3.5's and
-# Qwen3-Next's ``...GatedDeltaNet``, LFM2's ``...ShortConv``, Mamba2's and Nemotron-H's ``...Mamba2Mixer``): ``None``
-# walks it, a string is why not. Each walked kind reads its states through the cache contract, continues a chunk
-# of any length from them (its one-token decode path, which writes the convolution window in place, is turned off
-# by the engine's cache layer) and hands its new states back through ``update_*_state``.
-MIXER_KINDS: dict[str, str | None] = {
-    "GatedDeltaNet": None,
-    "ShortConv": None,
-    "Mamba2Mixer": None,
+# The recurrent mixers the engine walks, by the end of their class name, with their kind. One entry per mixer kind
+# where the class names share a suffix (Qwen3.5's, Qwen3-Next's and OLMo-hybrid's ``...GatedDeltaNet``, the
+# ``...ShortConv`` of LFM2 and LFM2-MoE, the ``...Mamba2Mixer`` of Mamba2 and Nemotron-H), and the Mamba2 mixers
+# that transformers names otherwise (Bamba's, Granite-4 hybrid's: the same code). Each reads its states through the
+# cache contract, continues a chunk of any length from them (its one-token decode paths write a state in place, which
+# the engine's cache layer turns into a recorded update) and hands its new states back through ``update_*_state``.
+# A mixer not listed is refused by name.
+MIXER_KINDS: dict[str, str] = {
+    "GatedDeltaNet": "Gated DeltaNet",
+    "ShortConv": "short convolution",
+    "Mamba2Mixer": "Mamba2",
+    "BambaMixer": "Mamba2",
+    "GraniteMoeHybridMambaLayer": "Mamba2",
 }
 
 
@@ -111,13 +115,8 @@ def check_mixers(model: nn.Module, kinds: tuple[str, ...]) -> None:
             "recurrent layer_type: it cannot check how they use the cache. Fix: mode='vanilla'.")
     for mixer in mixers:
         mixer_class = type(mixer).__name__
-        known = [suffix for suffix in MIXER_KINDS if mixer_class.endswith(suffix)]
-        if not known:
+        if not any(mixer_class.endswith(suffix) for suffix in MIXER_KINDS):
             raise ModelNotSupportedError(
                 f"{name}'s recurrent mixer {mixer_class} is of a kind the tree engine does not know (it walks "
-                f"{sorted(k for k, v in MIXER_KINDS.items() if v is None)}); walking it could train on something "
-                "else. Fix: mode='vanilla'.")
-        reason = MIXER_KINDS[known[0]]
-        if reason is not None:
-            raise ModelNotSupportedError(f"{name}'s recurrent mixer {mixer_class} cannot be walked yet: {reason}. "
-                                         "Fix: mode='vanilla'.")
+                f"{sorted(set(MIXER_KINDS.values()))} mixers: {sorted(MIXER_KINDS)}); walking it could train on "
+                "something else. Fix: mode='vanilla'.")

@@ -12,15 +12,12 @@ of the other exactness tests (1e-5; measured 1.9e-7 to 4e-7).
 
 from __future__ import annotations
 
+import importlib
 import random
 import types
 
 import pytest
 import torch
-from transformers.models.mamba2 import modeling_mamba2
-from transformers.models.nemotron_h import modeling_nemotron_h
-from transformers.models.qwen3_5 import modeling_qwen3_5
-from transformers.models.qwen3_next import modeling_qwen3_next
 
 import lightning_dta as dta
 from lightning_dta.engine.layer_kinds import LAYER_KINDS
@@ -30,7 +27,10 @@ from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_t
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads, reference_value_loss
 
 RTOL64 = 1e-5
-WALKED = ["qwen3_5", "qwen3_next", "lfm2", "mamba2", "nemotron_h"]
+WALKED = ["qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "mamba2", "nemotron_h", "bamba",
+          "granitemoehybrid"]
+# the modeling modules whose recurrent cores cast to float32 (the short convolutions of LFM2 do not)
+SCAN_MODULES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "mamba2", "nemotron_h", "bamba", "granitemoehybrid"]
 
 CONFIGS = {
     "keep-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
@@ -54,7 +54,8 @@ class _Float64Torch(types.ModuleType):
 def float64_recurrent_cores(monkeypatch):
     """Run the recurrent cores in float64, for the reference and the tree alike: the modeling modules' casts to
     ``torch.float32`` keep float64, and so does ``Tensor.float()`` on a float64 tensor."""
-    for module in (modeling_qwen3_5, modeling_qwen3_next, modeling_mamba2, modeling_nemotron_h):
+    for name in SCAN_MODULES:
+        module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
         monkeypatch.setattr(module, "torch", _Float64Torch("torch"))
     to_float32 = torch.Tensor.float
     monkeypatch.setattr(torch.Tensor, "float",
