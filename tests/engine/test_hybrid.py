@@ -253,3 +253,32 @@ def test_a_hybrid_critic_is_exact(family):
         out, got = engine_grads(critic, tree, loss_fn, **config)
         assert out.loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
         assert_grads_close(got, ref, RTOL64, what=f"critic {family} {config}")
+
+
+TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=8, max_position_embeddings=256, pad_token_id=0, mamba_d_state=8,
+            mamba_d_conv=4, mamba_expand=2, mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=1, mamba_d_ssm=64,
+            mamba_chunk_size=8, mamba_dt_rank=4, n_mamba_heads=8, mamba_ngroups=1, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=32, linear_head_dim=8, linear_num_heads=4,
+            linear_conv_kernel_dim=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            expert_layer_offset=1)
+
+
+@pytest.mark.parametrize("family,layout,named", [
+    ("kimi_linear", dict(layer_types=["linear_attention", "full_attention"]), "mixer KimiLinearDeltaAttention"),
+    ("falcon_h1", {}, r"layers of type \['hybrid'\]"),  # attention and Mamba2 in parallel in each layer
+    ("zamba2", dict(layers_block_type=["mamba", "hybrid"]), r"layers of type \['hybrid'\]"),  # a shared block
+    ("jamba", {}, "found 0 mixer modules"),  # its Mamba (1) mixer carries no layer_type
+], ids=["kimi_linear", "falcon_h1", "zamba2", "jamba"])
+def test_families_the_engine_does_not_walk_are_refused(family, layout, named):
+    """transformers' other hybrids, each refused by what the engine does not know, before anything is trained."""
+    import inspect
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_class = type(AutoConfig.for_model(family))
+    accepted = inspect.signature(config_class.__init__).parameters
+    config = config_class(**{k: v for k, v in TINY.items() if k in accepted}, **layout)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(dta.ModelNotSupportedError, match=f"{named}.*Fix: mode='vanilla'"):
+        dta.tree_backward(model, dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
