@@ -21,7 +21,7 @@ from lightning_dta.contracts import Objective
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
-from lightning_dta.engine.layer_kinds import LAYER_KINDS, cache_layer_classes, is_recurrent
+from lightning_dta.engine.layer_kinds import LAYER_KINDS, cache_layer_classes
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.prefix_attention import attention_switch
 from lightning_dta.engine.recurrent_state import StateLayer, States
@@ -30,18 +30,20 @@ from lightning_dta.engine.token_scores import token_scores
 
 
 class RecordingCache(DynamicCache):
-    """A ``DynamicCache`` pre-filled with the path's keys/values that records each layer's new ones; for a model
-    with recurrent layers (``kinds``), a :class:`~lightning_dta.engine.recurrent_state.StateLayer` per recurrent
-    layer continues from the path's states (``states``) and records the chunk's end states."""
+    """A ``DynamicCache`` pre-filled with the path's keys/values that records each layer's new ones. For a model
+    with layers of other kinds (``kinds``: recurrent layers, layers without a mixer), each layer gets its kind's cache
+    layer: a :class:`~lightning_dta.engine.recurrent_state.StateLayer` per recurrent layer continues from the path's
+    states (``states``) and records the chunk's end states."""
 
     def __init__(self, past: KV | None, kinds: tuple[str, ...] | None = None, states: States | None = None) -> None:
         super().__init__()
         self.new_kv = KVRecorder()
         self.state_layers: list[StateLayer] = []
-        if not is_recurrent(kinds):
+        if not kinds or all(LAYER_KINDS[kind].keys_values for kind in kinds):  # attention only: layer i is past[i]
             if past:
                 self.layers = [_prefilled(keys, values) for keys, values in past]
             return
+        # past[j] is the j-th attention layer's: lay every layer out by its kind
         past_kv, past_states = iter(past or ()), iter(states or ())
         _, dummy_layer = cache_layer_classes()
         layers = []

@@ -21,7 +21,13 @@ from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.engine.attention_backends import AttentionBackend, choose_backend
 from lightning_dta.engine.attention_check import check_kernels, fall_back
 from lightning_dta.engine.errors import ModelNotSupportedError
-from lightning_dta.engine.layer_kinds import LAYER_KINDS, check_layer_kinds, is_recurrent, model_layer_kinds
+from lightning_dta.engine.layer_kinds import (
+    ATTENTION,
+    LAYER_KINDS,
+    check_layer_kinds,
+    is_recurrent,
+    model_layer_kinds,
+)
 from lightning_dta.engine.prefix_attention import (
     attention_configs,
     original_implementation,
@@ -62,7 +68,7 @@ class ModelInfo:
         """The layers that must hand over their new keys/values in every forward."""
         if self.layer_kinds is None:
             return self.num_layers
-        return sum(LAYER_KINDS[kind].keys_values for kind in self.layer_kinds)
+        return sum(LAYER_KINDS.get(kind, ATTENTION).keys_values for kind in self.layer_kinds)
 
 
 def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:

@@ -119,6 +119,24 @@ def test_other_objectives(family, loss_fn):
     assert_grads_close(got, ref, RTOL64, what=f"{family} {loss_fn.loss_mode}")
 
 
+def test_attention_layers_among_layers_without_a_mixer():
+    """Nemotron-H with attention and MLP-only layers, no recurrent one: the path's keys/values go to the attention
+    layers by their index (layer 2's to layer 2), not by their place in the list."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM(NemotronHConfig(
+        layers_block_type=["attention", "mlp", "attention"], vocab_size=48, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)).double()
+    rollouts = tree_rollouts()
+    loss_fn = dta.PolicyLoss(kl_coef=0.1)
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    for config in (CONFIGS["keep-batched"], CONFIGS["recompute-chunk2"]):
+        out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
+        assert out.loss == pytest.approx(ref_loss, rel=1e-6)
+        assert_grads_close(got, ref, RTOL64, what=str(config))
+
+
 def test_recurrent_state_gradient_reaches_the_parent():
     """Without the state's gradient the parent's recurrent layer would miss its children's share: a tree whose only
     trained tokens lie in the children gives the recurrent parameters of the shared prefix their whole gradient
