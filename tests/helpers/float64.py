@@ -32,8 +32,13 @@ def _llama_rms_norm(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch
     return self.weight * _rms(hidden_states, self.variance_epsilon)
 
 
+# Qwen3.5's text rotary embedding interleaves three position grids (multimodal RoPE): left as it is
+MULTIMODAL_ROTARIES = frozenset({"Qwen3_5TextRotaryEmbedding", "Qwen3_5MoeTextRotaryEmbedding"})
+GEMMA_STYLE_NORMS = frozenset({"GemmaRMSNorm", "Qwen3_5RMSNorm", "Qwen3NextRMSNorm"})  # weight stored minus one
+
+
 def _gemma_rms_norm(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` (Gemma: the weight is stored minus one)."""
+    """``(1 + weight) * x / sqrt(mean(x^2) + eps)`` (Gemma, Qwen3.5, Qwen3-Next: the weight is stored minus one)."""
     return _rms(x, self.eps) * (1.0 + self.weight)
 
 
@@ -81,12 +86,14 @@ def without_float32_islands(model: torch.nn.Module) -> torch.nn.Module:
     (in place)."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if kind == "GemmaRMSNorm":
+        if kind in GEMMA_STYLE_NORMS:
             module.forward = types.MethodType(_gemma_rms_norm, module)
         elif kind.endswith("RMSNorm") and kind != "RMSNorm":  # torch.nn.RMSNorm computes in the input's dtype
             if not hasattr(module, "variance_epsilon"):
                 raise NotImplementedError(f"{name}: {kind} is not a Llama-style RMSNorm; add its definition here")
             module.forward = types.MethodType(_llama_rms_norm, module)
+        elif kind in MULTIMODAL_ROTARIES:
+            continue  # float32 cos/sin of the position alone: they round alike in both computations (docstring)
         elif kind.endswith("RotaryEmbedding"):
             if module.rope_type != "default":
                 raise NotImplementedError(f"{name}: {kind} uses RoPE type {module.rope_type!r}; add it here")
