@@ -7,8 +7,8 @@ even in float64 models (the Gated DeltaNet kernels cast to ``torch.float32``, Ma
 Mamba2's head returns float32 logits), and splitting one scan at other points moves the tiny ``A_log`` /
 ``dt_bias`` gradients by ~1e-5 of their own norm (measured: 7e-6 to 1.8e-5 for Gated DeltaNet, 2e-6 for Mamba2);
 :func:`float64_recurrent_cores` runs them in float64 for both sides, so the comparison keeps the float64 tolerance
-of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 8e-8 for Qwen3-Next, whose MoE router casts to
-``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a module left as it is).
+of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 8e-8 for Qwen3-Next, whose MoE
+router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a module left as it is).
 """
 
 from __future__ import annotations
