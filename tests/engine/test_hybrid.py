@@ -23,7 +23,7 @@ import torch
 import lightning_dta as dta
 from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.model_info import inspect_model
-from lightning_dta.engine.recurrent_state import StateLayer
+from lightning_dta.engine.recurrent_state import PathStates, StateLayer
 from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads, reference_value_loss
 
@@ -272,6 +272,20 @@ def test_a_hybrid_critic_is_exact(family):
         out, got = engine_grads(critic, tree, loss_fn, **config)
         assert out.loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
         assert_grads_close(got, ref, RTOL64, what=f"critic {family} {config}")
+
+
+def test_a_write_through_a_view_of_a_handed_state_never_reaches_the_path():
+    """A forward without grad (recompute's push, tree_logprobs) gets a copy of the path's state; with grad, the
+    leaves refuse a write through a view (autograd's own check)."""
+    states = PathStates(with_grads=True, required=True)
+    states.write(5, [(torch.zeros(1, 2, 3, dtype=torch.float64),)])
+    copy, _ = states.past(5, requires_grad=False)
+    copy[0][0][:, 0].fill_(1.0)
+    assert float(states.states[5][0][0].abs().sum()) == 0.0
+    leaves, _ = states.past(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        leaves[0][0][:, 0].fill_(1.0)
+    assert float(states.states[5][0][0].abs().sum()) == 0.0
 
 
 TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
