@@ -230,6 +230,16 @@ def test_unknown_recurrent_mixer_is_refused_by_name():
         dta.tree_backward(model, dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
 
 
+def test_a_transformers_release_without_the_state_contract_is_refused(monkeypatch):
+    """transformers 5.17 (the GPU machine's) has no ``Cache.get_conv_state``: its mixers read
+    ``cache_params.layers[i].conv_states[0]``, a contract the engine's cache layer is not tested against."""
+    from transformers import cache_utils
+
+    monkeypatch.delattr(cache_utils.Cache, "get_conv_state")
+    with pytest.raises(dta.ModelNotSupportedError, match="no cache contract.*Fix: upgrade transformers"):
+        dta.tree_backward(make_model("qwen3_5"), dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
+
+
 def test_a_state_written_in_place_is_recorded_not_written():
     """transformers' one-token decode paths write the new state into the one they read (``copy_``): the engine's
     cache layer records it as the new state and leaves the parent's untouched; other in-place writes are refused."""
