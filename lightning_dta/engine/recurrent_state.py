@@ -152,8 +152,9 @@ class PathStates:
             return None, []
         if start not in self.states:  # starting from zeros instead would train on something else, silently
             raise RuntimeError(f"no recurrent state on the path at position {start}; this is a bug in lightning_dta")
-        if not requires_grad:
-            return self.states[start], []
+        if not requires_grad:  # a copy: a write through a view of a handed state must not reach the path's state
+            return [tuple(t.clone() for t in layer) for layer in self.states[start]], []
+        # leaves: a write through a view of one fails loudly (autograd refuses in-place writes to leaf views)
         past = [tuple(t.detach().requires_grad_() for t in layer) for layer in self.states[start]]
         return past, flatten(past)
 

@@ -22,6 +22,7 @@ from lightning_dta.core.balance import partition
 from lightning_dta.core.errors import UsageError
 from lightning_dta.core.rollout import RolloutError, read_rollouts, validate_rollouts
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.plan.flops import tensor_parallel_config
 from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step
@@ -82,6 +83,11 @@ def load_config(model: str):
         raise PlanError(f"--model {model!r}: {path} is not a Hugging Face model config transformers accepts ({cause}). "
                         "Fix: a config.json with a consistent shape (e.g. hidden_size a multiple of "
                         "num_attention_heads)") from error
+    kinds = model_layer_kinds(config.get_text_config())
+    if is_recurrent(kinds):
+        raise PlanError(f"--model {model!r} has recurrent layers (layer types {sorted(set(kinds))}), which the planner "
+                        "does not price yet (their FLOPs per token and the states held on the path); the tree walk "
+                        "itself trains such models. Fix: plan with an attention-only model of the same size")
     config._attn_implementation = "sdpa"
     return config
 

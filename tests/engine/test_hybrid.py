@@ -7,8 +7,8 @@ even in float64 models (the Gated DeltaNet kernels cast to ``torch.float32``, Ma
 Mamba2's head returns float32 logits), and splitting one scan at other points moves the tiny ``A_log`` /
 ``dt_bias`` gradients by ~1e-5 of their own norm (measured: 7e-6 to 1.8e-5 for Gated DeltaNet, 2e-6 for Mamba2);
 :func:`float64_recurrent_cores` runs them in float64 for both sides, so the comparison keeps the float64 tolerance
-of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 8e-8 for Qwen3-Next, whose MoE router casts to
-``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a module left as it is).
+of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 8e-8 for Qwen3-Next, whose MoE
+router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a module left as it is).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import lightning_dta as dta
 from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.model_info import inspect_model
-from lightning_dta.engine.recurrent_state import StateLayer
+from lightning_dta.engine.recurrent_state import PathStates, StateLayer
 from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads, reference_value_loss
 
@@ -230,6 +230,16 @@ def test_unknown_recurrent_mixer_is_refused_by_name():
         dta.tree_backward(model, dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
 
 
+def test_a_transformers_release_without_the_state_contract_is_refused(monkeypatch):
+    """transformers 5.17 (the GPU machine's) has no ``Cache.get_conv_state``: its mixers read
+    ``cache_params.layers[i].conv_states[0]``, a contract the engine's cache layer is not tested against."""
+    from transformers import cache_utils
+
+    monkeypatch.delattr(cache_utils.Cache, "get_conv_state")
+    with pytest.raises(dta.ModelNotSupportedError, match="no cache contract.*Fix: upgrade transformers"):
+        dta.tree_backward(make_model("qwen3_5"), dta.PrefixTree.from_rollouts(tree_rollouts()), dta.PolicyLoss())
+
+
 def test_a_state_written_in_place_is_recorded_not_written():
     """transformers' one-token decode paths write the new state into the one they read (``copy_``): the engine's
     cache layer records it as the new state and leaves the parent's untouched; other in-place writes are refused."""
@@ -272,6 +282,20 @@ def test_a_hybrid_critic_is_exact(family):
         out, got = engine_grads(critic, tree, loss_fn, **config)
         assert out.loss == pytest.approx(float(ref_loss.detach()), rel=1e-6)
         assert_grads_close(got, ref, RTOL64, what=f"critic {family} {config}")
+
+
+def test_a_write_through_a_view_of_a_handed_state_never_reaches_the_path():
+    """A forward without grad (recompute's push, tree_logprobs) gets a copy of the path's state; with grad, the
+    leaves refuse a write through a view (autograd's own check)."""
+    states = PathStates(with_grads=True, required=True)
+    states.write(5, [(torch.zeros(1, 2, 3, dtype=torch.float64),)])
+    copy, _ = states.past(5, requires_grad=False)
+    copy[0][0][:, 0].fill_(1.0)
+    assert float(states.states[5][0][0].abs().sum()) == 0.0
+    leaves, _ = states.past(5, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        leaves[0][0][:, 0].fill_(1.0)
+    assert float(states.states[5][0][0].abs().sum()) == 0.0
 
 
 TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
