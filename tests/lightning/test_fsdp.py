@@ -58,8 +58,8 @@ def test_a_hybrid_under_dta_fsdp_equals_one_process(tmp_path: Path) -> None:
     walks its own tree, handing the convolution windows between chunks of 3 tokens (shorter than the kernel, 4).
     LFM2 rather than a Gated DeltaNet model: their cores run in float32 (docs/traps.md), whose split-dependent
     rounding of near-zero gradients AdamW's per-element step magnifies past 1e-5 in the weights (1.2e-4 measured).
-    Untied embeddings: a checkpoint with tied ones (LFM2's default) loads wrongly under dta_fsdp today, a Llama's
-    too (the step-1 loss differs from dta's; load_hf_checkpoint skips the tied key and nothing ties it again)."""
+    Tied embeddings (LFM2's default), loaded into the shards from the checkpoint (tests/distributed/test_tied_weights.py
+    has why that once gave another model)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     from tests.helpers.lightning import VOCAB
@@ -68,7 +68,7 @@ def test_a_hybrid_under_dta_fsdp_equals_one_process(tmp_path: Path) -> None:
     checkpoint = tmp_path / "lfm2"
     Lfm2ForCausalLM(Lfm2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                full_attn_idxs=[1], conv_L_cache=4, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=256, tie_word_embeddings=False)).save_pretrained(checkpoint)
+                               max_position_embeddings=256, tie_word_embeddings=True)).save_pretrained(checkpoint)
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     (reference,) = train(one, "dta", 1, "recompute", 3, "--model", str(checkpoint))
