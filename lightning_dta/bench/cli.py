@@ -20,7 +20,9 @@ from jsonargparse import ArgumentParser, Namespace
 from lightning_dta.bench import report
 from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench, skip_reason
 from lightning_dta.bench.work import BenchWork, bench_flops
+from lightning_dta.arguments import parse_args
 from lightning_dta.cli import add_engine_options
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.plan.flops import ModelShape
@@ -45,7 +47,7 @@ def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-dta bench", description=__doc__, default_meta=False)
+    parser = ArgumentParser(prog="lightning-dta bench", description=__doc__, default_meta=False, exit_on_error=False)
     what = parser.add_argument_group("what to run")
     what.add_argument("--workloads", default="grpo,agent,tree-search",
                       help="comma-separated: grpo, agent, tree-search (a --rollouts-file adds 'file')")
@@ -115,7 +117,8 @@ def _workloads(args: Namespace) -> dict[str, object]:
     chosen = {}
     for name in [w for w in args.workloads.split(",") if w]:
         if name not in available:
-            raise SystemExit(f"unknown workload {name!r}; choose from {sorted(available)}")
+            raise ConfigError(f"--workloads: unknown workload {name!r}. Fix: a comma-separated list from "
+                              f"{', '.join(sorted(available))}")
         chosen[name] = available[name]
     if args.rollouts_file:
         chosen["file"] = FileWorkload(args.rollouts_file)
@@ -138,7 +141,7 @@ def estimate(argv: Sequence[str]) -> tuple[BenchWork, object]:
     """The FLOPs that ``lightning-dta bench ARGV`` will compute (:mod:`~lightning_dta.bench.work`) and the model's
     config, without building the model or running anything."""
     parser = build_parser()
-    args = parser.parse_args(list(argv))
+    args = parse_args(parser, list(argv), "bench")
     config = model_config(**_shape(args), attn_implementation=args.attn)
     modes, _ = _modes(args, parser.instantiate(args).engine)
     device = torch.device(args.device)
@@ -159,16 +162,17 @@ def _modes(args: Namespace, engine: EngineOptions) -> tuple[dict[str, ModeSpec],
     wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
     unknown = wanted - set(all_modes)
     if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(all_modes)}")
+        raise ConfigError(f"--modes: unknown mode{'s' if len(unknown) > 1 else ''} {', '.join(sorted(unknown))}. "
+                          f"Fix: a comma-separated list from {', '.join(sorted(all_modes))}")
     if args.profile and args.profile not in all_modes:
-        raise SystemExit(f"--profile {args.profile!r}: choose from {sorted(all_modes)}")
+        raise ConfigError(f"--profile {args.profile!r} is not a mode. Fix: one of {', '.join(sorted(all_modes))}")
     chosen = {name: spec for name, spec in all_modes.items() if name in wanted}
     return chosen, all_modes[args.profile] if args.profile else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, "bench")
     engine = parser.instantiate(args).engine
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_dta.arguments import parse_args
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.balance import partition
 from lightning_dta.core.errors import UsageError
@@ -87,7 +88,7 @@ def load_config(model: str):
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False)
+    parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False, exit_on_error=False)
     parser.add_argument("--model", default="bench",
                         help=f"a preset ({', '.join(['bench', *sorted(PRESETS)])}), a config.json or a model "
                         "directory (default: bench, the bench's 4-layer model)")
@@ -162,9 +163,8 @@ def _worst(plans: list[StepPlan]) -> dict[str, dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return _run(args, parser)
+        return _run(parse_args(parser, argv, "plan"), parser)
     except (UsageError, OSError) as error:  # OSError: a rollout file that cannot be read
         print(f"lightning-dta plan: error: {error}", file=sys.stderr)
         return 2

@@ -1,0 +1,133 @@
+"""A command line the parser refuses, as one line: what, where and the fix.
+
+jsonargparse (and argparse) answer a wrong key, a value outside a choice or a missing file with the whole usage
+(over a hundred lines for ``fit``) and then the error. Every verb's parser is built with ``exit_on_error=False``
+instead, and its refusal becomes a :class:`~lightning_dta.core.errors.ConfigError` here, which ``lightning-dta``
+prints as one line and exit status 2 (:mod:`lightning_dta.cli`); the usage is shown only by ``--help``. The fix
+is the nearest valid key ("did you mean --model.loss.clip_eps?") or the allowed values, written the way the user
+wrote the setting: ``--key`` on the command line, ``key`` in a YAML file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from argparse import ArgumentError
+from collections.abc import Iterable, Sequence
+
+from jsonargparse import ArgumentParser, Namespace
+
+from lightning_dta.core.errors import ConfigError
+
+UNRECOGNIZED = "unrecognized arguments: "
+REQUIRED = "the following arguments are required: "
+NOT_ACCEPTED = re.compile(r"Subcommand '[^']*' does not accept option '([^']+)'")  # a key of a --config file
+PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)', re.S)
+CHOICE = re.compile(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)", re.S)
+TYPES = re.compile(r"<class '([\w.]+)'>")
+LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", re.S)
+
+
+def parse_args(parser: ArgumentParser, argv: Sequence[str] | None, verb: str) -> Namespace:
+    """``parser.parse_args(argv)``, its refusal a one-line :class:`ConfigError` (``parser``: built with
+    ``exit_on_error=False``)."""
+    try:
+        return parser.parse_args(argv)
+    except ArgumentError as error:
+        raise refusal(str(error), option_keys(parser), verb) from None
+
+
+def option_keys(parser: ArgumentParser) -> list[str]:
+    """The options ``parser`` takes, as dotted keys (``model.loss.clip_eps``, ``memory``; positional arguments
+    are not options)."""
+    keys = []
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        keys += [o.lstrip("-") for o in action.option_strings if o.startswith("--")]
+    return [k for k in keys if k not in ("help", "print_config") and not k.endswith(".help")]
+
+
+def nearest(key: str, keys: Iterable[str]) -> str | None:
+    """The valid key closest to a mistyped one (its siblings first: ``clip_epsilon`` -> ``clip_eps``)."""
+    keys = list(keys)
+    parent = key.rpartition(".")[0]
+    siblings = [k for k in keys if k.rpartition(".")[0] == parent]
+    for pool in (siblings, keys):
+        close = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
+        if close:
+            return close[0]
+    return None
+
+
+def refusal(message: str, keys: Sequence[str], verb: str) -> ConfigError:
+    """The one-line :class:`ConfigError` for the parser's ``message``: what, where, the fix."""
+    if message.startswith(UNRECOGNIZED):
+        unknown = message[len(UNRECOGNIZED):].split()
+        first = unknown[0]
+        if not first.startswith("-"):
+            return ConfigError(f"unexpected argument {first!r}. Fix: remove it (lightning-dta {verb} --help lists "
+                               "the arguments)")
+        key = first.lstrip("-").split("=", 1)[0]
+        return ConfigError(f"--{key} is not a setting of lightning-dta {verb}"
+                           f"{_others(unknown[1:])}. Fix: {_did_you_mean(key, keys, '--', verb)}")
+    if message.startswith(REQUIRED):
+        missing = [k.strip().removeprefix(f"{verb}.") for k in message[len(REQUIRED):].split(",")]
+        if missing[0] not in keys:  # positional arguments
+            return ConfigError(f"{', '.join(missing)} must be given. Fix: lightning-dta {verb} "
+                               f"{' '.join(m.upper() for m in missing)} (lightning-dta {verb} --help)")
+        return ConfigError(f"{', '.join(missing)} must be given. Fix: --{missing[0]} on the command line or "
+                           f"{missing[0]}: in the --config file")
+    if match := NOT_ACCEPTED.fullmatch(message.strip()):
+        key = match.group(1)
+        return ConfigError(f"{key} (in the --config file) is not a setting of lightning-dta {verb}. "
+                           f"Fix: {_did_you_mean(key, keys, '', verb)}")
+    if match := CHOICE.fullmatch(message.strip()):
+        allowed = [a.strip().strip("'") for a in match.group(3).split(",")]
+        return ConfigError(f"{match.group(1)} {match.group(2)!r} is not one of its values. "
+                           f"Fix: {_one_of(match.group(2), allowed)}")
+    if match := PARSER_KEY.match(message.strip()):
+        key, detail = match.group(1), match.group(2)
+        if literal := LITERAL.search(detail):
+            allowed = [a.strip().strip("'\"") for a in literal.group(1).split(",")]
+            given = literal.group(2).strip()
+            return ConfigError(f"{key}={given!r} is not one of its values. Fix: {_one_of(given, allowed)}")
+        if key == "config" and "does not exist" in detail:
+            return ConfigError(f"--config: {' '.join(detail.split())}. Fix: the path of a YAML config file, such as "
+                               "configs/tiny_cpu.yaml")
+        expected = detail.split("Given value type:")[0]
+        types = list(dict.fromkeys({"NoneType": "null"}.get(t, t) for t in TYPES.findall(expected)))
+        given = re.search(r"(?:Got|Given) value: (.*)", detail)
+        if types and given:
+            return ConfigError(f"{key}={given.group(1).strip()!r} is not {_or(types)}. Fix: {_or(types)} value")
+        return ConfigError(f"{key}: {_one_line(detail)}. Fix: a value of the type lightning-dta {verb} --help "
+                           f"shows for --{key}")
+    return ConfigError(f"{_one_line(message)}. Fix: lightning-dta {verb} --help lists the settings")
+
+
+def _one_of(given: str, allowed: Sequence[str]) -> str:
+    close = difflib.get_close_matches(given.lower(), allowed, n=1, cutoff=0.5)
+    return f"did you mean {close[0]}? (one of {', '.join(allowed)})" if close else f"one of {', '.join(allowed)}"
+
+
+def _or(types: Sequence[str]) -> str:
+    """``['int', 'null']`` -> ``"an int or null"``."""
+    article = "an" if types[0][0] in "aeiou" else "a"
+    return f"{article} {' or '.join(types)}"
+
+
+def _did_you_mean(key: str, keys: Sequence[str], prefix: str, verb: str) -> str:
+    close = nearest(key, keys)
+    if close is not None:
+        return f"did you mean {prefix}{close}?"
+    return f"lightning-dta {verb} --help lists the settings"
+
+
+def _others(rest: Sequence[str]) -> str:
+    names = [r.split("=", 1)[0] for r in rest if r.startswith("-")]
+    return f" (nor {', '.join(names)})" if names else ""
+
+
+def _one_line(text: str) -> str:
+    """A jsonargparse message on one line: a ``Union``'s list of each member's refusal is dropped."""
+    given = re.search(r"Given value: (.*)", text)
+    text = text.split("\n  Subtypes:")[0]
+    return " ".join(text.split()).rstrip(".") + (f" (given: {given.group(1).strip()})" if given else "")
