@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_dta.arguments import parse_args
 from lightning_dta.bench import report
 from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench, skip_reason
 from lightning_dta.bench.work import BenchWork, bench_flops
-from lightning_dta.arguments import parse_args
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.tree import PrefixTree
