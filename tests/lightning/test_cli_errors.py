@@ -148,3 +148,52 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path: Path) -> No
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "trainer.devices=0" in proc.stderr
+
+
+def _misnamed_yaml(tmp_path: Path) -> str:
+    path = tmp_path / "misnamed.yaml"
+    path.write_text((REPO / "configs" / "tiny_cpu.yaml").read_text().replace("rollouts_per_step:", "rollout_per_step:"))
+    return str(path)
+
+
+TINY = ["fit", "--config", str(REPO / "configs" / "tiny_cpu.yaml")]
+# (id, argv, what the one line must say); a callable argument gets tmp_path. Each is refused while parsing, before
+# anything is built.
+PARSE_CASES = [
+    ("fit key misspelt", [*TINY, "--model.loss.clip_epsilon=0.2"],
+     ["--model.loss.clip_epsilon", "did you mean --model.loss.clip_eps?"]),
+    ("fit YAML key misspelt", ["fit", "--config", _misnamed_yaml],
+     ["data.rollout_per_step", "did you mean data.rollouts_per_step?"]),
+    ("fit value not allowed", [*TINY, "--model.engine.mode=DFS"],
+     ["model.engine.mode='DFS'", "did you mean dfs?", "vanilla"]),
+    ("fit value of the wrong type", [*TINY, "--model.engine.chunk_size=abc"],
+     ["model.engine.chunk_size='abc'", "an int or null"]),
+    ("fit config file missing", ["fit", "--config", "/nonexistent/run.yaml"], ["/nonexistent/run.yaml"]),
+    ("verb misspelt", ["fti", "--config", "x.yaml"], ["'fti' is not a verb", "did you mean fit?"]),
+    ("plan key misspelt", ["plan", "--worklaod", "agent"], ["--worklaod", "did you mean --workload?"]),
+    ("plan choice", ["plan", "--workload", "nosuch"], ["--workload 'nosuch'", "tau2-like"]),
+    ("plan engine value", ["plan", "--engine.mode=DFS"], ["engine.mode='DFS'", "did you mean dfs?"]),
+    ("plan not an int", ["plan", "--devices", "two"], ["devices='two'", "an int"]),
+    ("bench unknown mode", ["bench", "--modes", "dfs,fast", "--no-progress"], ["--modes", "fast", "dfs-recompute"]),
+    ("bench unknown workload", ["bench", "--workloads", "grpo,nosuch", "--no-progress"], ["'nosuch'", "tree-search"]),
+    ("bench key misspelt", ["bench", "--modez", "dfs"], ["--modez", "did you mean --modes?"]),
+    ("export no arguments", ["export"], ["checkpoint, out_dir must be given", "CHECKPOINT OUT_DIR"]),
+    ("export no checkpoint", ["export", "/nonexistent/last.ckpt", "out"], ["/nonexistent/last.ckpt"]),
+    ("convert unknown framework", ["convert", "trlx", "c.yaml"], ["framework 'trlx'", "did you mean trl?"]),
+    ("convert no file", ["convert", "trl", "/nonexistent/c.yaml"], ["/nonexistent/c.yaml"]),
+]
+
+
+@pytest.mark.parametrize("case", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_every_verb_refuses_bad_input_in_one_line_and_exit_2(case, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """No usage (it is for --help), no traceback: one line that names the setting and the fix."""
+    _, argv, named = case
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    verb = argv[0] if argv[0] in ("fit", *cli.COMMANDS) else None
+    assert err.startswith(f"lightning-dta {verb}: error: " if verb else "lightning-dta: error: "), err
+    assert err.count("\n") == 1 and "Fix: " in err and not out, (out, err)
+    for name in named:
+        assert name in err, (name, err)
