@@ -16,6 +16,7 @@ too, for debugging.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -100,6 +101,12 @@ def _run(args: list[str], argv: Sequence[str] | None) -> int:
         print(usage(), end="")
         return 0 if args else 2
     verb = args[0] if args[0] in COMMANDS else "fit"
+    if not args[0].startswith("-") and args[0] not in (*COMMANDS, "fit"):
+        verbs = ["fit", *COMMANDS]
+        close = difflib.get_close_matches(args[0], verbs, n=1)
+        print(f"lightning-dta: error: {args[0]!r} is not a verb. Fix: "
+              f"{f'did you mean {close[0]}? ' if close else ''}one of {', '.join(verbs)}", file=sys.stderr)
+        return 2
     try:
         if verb in COMMANDS:
             return importlib.import_module(COMMANDS[verb]).main(args[1:]) or 0

@@ -178,9 +178,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
-    model = _model(args)
-    modes, profiled = _modes(args, engine)
+    modes, profiled = _modes(args, engine)  # the settings are checked before the model is built
     workloads = _workloads(args)
+    model = _model(args)
     total = (len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
              + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
     bar = tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr)

@@ -16,6 +16,7 @@ import yaml
 import lightning_dta as dta
 from lightning_dta import cli
 from lightning_dta.core.advantages import grpo_advantages
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import read_rollouts
 from lightning_dta.lightning.data import make_step_batch
 from tests import helpers
@@ -86,7 +87,7 @@ def test_a_step_with_a_non_finite_loss_is_skipped_on_both_ranks_and_named(tmp_pa
 def test_help_lists_the_subcommands_that_work() -> None:
     proc = subprocess.run([str(EXECUTABLE), "--help"], capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0 and "{fit,plan,bench,export,convert}" in proc.stdout, proc.stdout
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="subcommand 'validate'.*Fix: one of fit"):
         cli.cli_main(["validate", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])  # no validation_step
 
 
