@@ -10,6 +10,7 @@ wrote the setting: ``--key`` on the command line, ``key`` in a YAML file.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from argparse import ArgumentError
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Sequence
 from jsonargparse import ArgumentParser, Namespace
 
 from lightning_dta.core.errors import ConfigError
+from lightning_dta.engine.options import EngineOptions
 
 UNRECOGNIZED = "unrecognized arguments: "
 REQUIRED = "the following arguments are required: "
@@ -131,3 +133,21 @@ def _one_line(text: str) -> str:
     given = re.search(r"Given value: (.*)", text)
     text = text.split("\n  Subtypes:")[0]
     return " ".join(text.split()).rstrip(".") + (f" (given: {given.group(1).strip()})" if given else "")
+
+
+def engine_flags(message: str, prefix: str) -> str:
+    """``message`` with the engine settings of its fix written as options of the command: the engine refuses in
+    Python's form (``Fix: mode='vanilla'``), which a ``lightning-dta fit`` user types as ``--model.engine.mode=vanilla``
+    (``prefix``: ``--model.engine.``). Only the fix is rewritten; other names (a model's ``attn_implementation``)
+    stay."""
+    what, sep, fix = message.partition("Fix:")
+    if not sep:
+        return message
+    names = "|".join(sorted((f.name for f in dataclasses.fields(EngineOptions)), key=len, reverse=True))
+    setting = re.compile(rf"(?<![\w.-])({names})=('[^']*'|\"[^\"]*\"|\.\.\.|\w+(?:\.\w+)*)")
+
+    def flag(match: re.Match) -> str:
+        value = match.group(2).strip("'\"")
+        return f"{prefix}{match.group(1)}={ {'None': 'null', 'True': 'true', 'False': 'false'}.get(value, value)}"
+
+    return what + sep + setting.sub(flag, fix)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from jsonargparse import ArgumentParser
 
+from lightning_dta.arguments import engine_flags
 from lightning_dta.core.errors import UsageError
 from lightning_dta.distributed.faults import stopping
 from lightning_dta.engine.options import EngineOptions
@@ -121,7 +122,10 @@ def _run(args: list[str], argv: Sequence[str] | None) -> int:
             raise
         if os.environ.get(TRACEBACK) == "1":
             traceback.print_exc()
-        print(f"lightning-dta {verb}: {describe(error, status)}", file=sys.stderr, flush=True)
+        message = describe(error, status)
+        if verb == "fit":  # the engine's fixes as the options of the command
+            message = engine_flags(message, "--model.engine.")
+        print(f"lightning-dta {verb}: {message}", file=sys.stderr, flush=True)
         return status
 
 
