@@ -5,11 +5,13 @@ finding 7 of issue 21 and the module's, engine's, data module's, source's and st
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_dta import cli
 from tests import helpers
@@ -197,3 +199,24 @@ def test_every_verb_refuses_bad_input_in_one_line_and_exit_2(case, tmp_path: Pat
     assert err.count("\n") == 1 and "Fix: " in err and not out, (out, err)
     for name in named:
         assert name in err, (name, err)
+
+
+def test_a_refused_model_is_refused_before_anything_runs_and_its_fix_runs(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture) -> None:
+    """Issue 32: the toy RL job on a model with layers that keep no keys/values (LFM2's conv layers) is refused before
+    the warm start and the first step, with the fix as the command's option; that option, added to the same
+    command, runs the job (the warm start's forward-only walk included)."""
+    config = yaml.safe_load((REPO / "configs" / "toy_rl_cpu.yaml").read_text())
+    config["trainer"].update(max_steps=1, logger=False)
+    config["trainer"]["callbacks"][0]["init_args"].update(sft_warmup_steps=2, reward_plot=None)
+    config["model"]["model"].update(model_type="lfm2", layer_types=["conv", "full_attention"])
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["fit", "--config", str(path)]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "layers of type ['conv']" in err and "SFT warm start" not in out + err and "Epoch" not in out + err, err
+    (fix,) = re.findall(r"Fix: (--\S+?)\.?$", err.strip())
+    assert fix == "--model.engine.mode=vanilla", err
+    assert cli.main([*argv, fix]) == 0, capsys.readouterr().err[-3000:]
+    assert "SFT warm start: 2 steps" in capsys.readouterr().out
