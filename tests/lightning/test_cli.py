@@ -104,8 +104,8 @@ def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     n = len(first["input_ids"])
-    assert f"{bad}:2: rollout 1, field 'loss_mask': has {n - 1} entries but input_ids has {n}" in proc.stderr
-    assert (f"{bad}:6: rollout 4, field 'input_ids': token 3 is -3, outside the vocabulary [0, vocab_size)"
+    assert f"{bad}:2: rollout index 1, field 'loss_mask': has {n - 1} entries but input_ids has {n}" in proc.stderr
+    assert (f"{bad}:6: rollout index 4, field 'input_ids': token 3 is -3, outside the vocabulary [0, vocab_size)"
             in proc.stderr)
 
 

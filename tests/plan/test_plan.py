@@ -234,7 +234,7 @@ def test_rollouts_a_model_cannot_take_are_named_by_line_before_the_split(tmp_pat
     rollouts = REPO / "data" / "tiny_rollouts.jsonl"  # vocabulary 256: too large for a 100-token model
     assert main(["--model", _small_model(tmp_path), "--rollouts", str(rollouts), "--devices", "2"]) == 2
     err = capsys.readouterr().err
-    assert f"faulty rollouts in {rollouts}:" in err and f"{rollouts}:1: rollout 0, field 'input_ids'" in err, err
+    assert f"faulty rollouts in {rollouts}:" in err and f"{rollouts}:1: rollout index 0, field 'input_ids'" in err, err
 
 
 def test_the_default_workload_that_does_not_fit_says_so(tmp_path, capsys) -> None:
