@@ -17,7 +17,8 @@ strategy name) are checked first (:func:`check_trainer_settings`).
 
 from __future__ import annotations
 
-from argparse import ArgumentError
+import sys
+from argparse import ArgumentError, Namespace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from lightning_dta.arguments import option_keys, refusal
 from lightning_dta.core.errors import ConfigError, UsageError
 from lightning_dta.lightning.callbacks import StepProgressBar
 from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.lightning.help import fix_lightning_defaults, short_help
 from lightning_dta.lightning.module import DTAModule
 
 
@@ -105,11 +107,18 @@ class DTACLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse; a refused key, value or file is one line with the fix (:mod:`lightning_dta.arguments`), not the
         usage (the parsers are built with ``exit_on_error=False``)."""
+        subcommands = parser._subcommands_action  # jsonargparse keeps no public map of subcommand parsers
+        fit = subcommands._name_parser_map["fit"] if subcommands is not None else parser
+        given = list(sys.argv[1:] if args is None else args) if not isinstance(args, (dict, Namespace)) else []
+        if "--help-all" in given:
+            fix_lightning_defaults(fit)
+            args = [("--help" if arg == "--help-all" else arg) for arg in given]
+        elif {"-h", "--help"} & set(given):
+            print(short_help(fit), end="")
+            raise SystemExit(0)
         try:
             super().parse_arguments(parser, args)
         except ArgumentError as error:
-            subcommands = parser._subcommands_action  # jsonargparse keeps no public map of subcommand parsers
-            fit = subcommands._name_parser_map["fit"] if subcommands is not None else parser
             raise refusal(str(error), option_keys(fit), "fit") from None
 
     @override

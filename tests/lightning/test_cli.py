@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import subprocess
@@ -89,6 +90,30 @@ def test_help_lists_the_subcommands_that_work() -> None:
     assert proc.returncode == 0 and "{fit,plan,bench,export,convert}" in proc.stdout, proc.stdout
     with pytest.raises(ConfigError, match="subcommand 'validate'.*Fix: one of fit"):
         cli.cli_main(["validate", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])  # no validation_step
+
+
+def test_fit_help_starts_with_the_projects_options_one_line_each(capsys: pytest.CaptureFixture) -> None:
+    """Issue 32: a screenful per section, not LightningCLI's 1,300 lines; every option of the loss and the engine
+    (their fields), each on one line with its meaning; the rest behind --help-all."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--help"])
+    assert exit_info.value.code in (0, None)
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: lightning-dta fit") and len(lines) < 100 and max(map(len, lines)) <= 120, text
+    first_trainer = next(i for i, line in enumerate(lines) if "--trainer." in line)
+    for name in [f.name for f in dataclasses.fields(dta.PolicyLoss) if not f.name.startswith("_")]:
+        (line,) = [i for i, line in enumerate(lines) if line.startswith(f"  --model.loss.{name} ")]
+        assert line < first_trainer and len(lines[line].split(None, 1)) == 2, lines[line]
+    for name in dta.EngineOptions().to_dict():
+        assert any(line.startswith(f"  --model.engine.{name} ") for line in lines[:first_trainer]), name
+    assert "torch.nn.Linear" not in text and 'Default: ``"auto"``' not in text and "--help-all" in text
+    assert "--trainer.strategy" in text and "(default: dta)" in text
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--help-all"])
+    every = capsys.readouterr().out
+    assert "--trainer.gradient_clip_val" in every and "default: dta" in every
+    assert 'Default: ``"auto"``' not in every.split("--trainer.strategy STRATEGY")[1][:300]
 
 
 def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Path) -> None:
