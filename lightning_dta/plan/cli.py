@@ -4,7 +4,7 @@
 
 The model is a shape (a preset, or a local ``config.json`` / model directory: no weights are read); the step is a
 rollout file or a bench workload. Activation rates are probed on the CPU on one- and two-layer clones of the
-shape (seconds for an 8B shape), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
+shape (20-45 s for an 8B shape on two cores), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
 """
 
 from __future__ import annotations
