@@ -40,7 +40,7 @@ TRACEBACK = "LIGHTNING_DTA_TRACEBACK"
 USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export,convert} ...
 
   fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
-           --trainer.*; the engine: --model.engine.*); lightning-dta fit --help
+           --trainer.*; the engine: --model.engine.*); lightning-dta fit --help (--help-all: every option)
   plan     predict a step's memory and FLOPs per mode, and the engine options that fit --memory
            (the engine: --engine.*); lightning-dta plan --help
   bench    every training mode side by side on the same model and rollouts (the engine: --engine.*);
