@@ -64,7 +64,7 @@ def measured_bytes(prefix_attention: bool, shape: dict, rows: int, prefix: int, 
     batch = SiblingBatch([torch.randint(256, (new,)) for _ in range(rows)], prefix, info.packs_siblings)
     columns = [torch.arange(0)] * rows  # no logits: the attention's share is what differs
     with SavedTensorMeter(model) as meter:
-        logits, new_kv = forward_batch(model, info, batch, past, columns)
+        logits, new_kv, _ = forward_batch(model, info, batch, past, columns)
         peak = meter.current_bytes
         del logits, new_kv
     return peak

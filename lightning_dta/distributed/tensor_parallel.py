@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.core.errors import UsageError
 from lightning_dta.distributed.collectives import broadcast_tensors
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 
 TP_DIM = TENSOR_PARALLEL  # the mesh dimension's name (Lightning's ModelParallelStrategy and torchtitan use it too)
 
@@ -166,6 +167,14 @@ def _text_config(model: nn.Module):
 def translate(model: nn.Module, tp_size: int | None = None, *, vocab_parallel: bool = True,
               plan_overrides: Mapping[str, str] | None = None) -> TensorParallelPlan:
     """:func:`tp_plan` with the partial-gradient modules and the source styles (see there)."""
+    kinds = model_layer_kinds(_text_config(model))
+    if is_recurrent(kinds):
+        raise TensorParallelError(
+            f"{type(model).__name__} has recurrent layers (layer types {sorted(set(kinds))}): the tree walk hands "
+            "their states from chunk to chunk, and how those states and their gradients split under a tensor-"
+            "parallel plan (transformers' plans gather the recurrent mixers' outputs) is not verified yet. "
+            "Fix: tensor_parallel_size=1 with strategy='dta_fsdp' (each rank walks its own trees with the whole "
+            "layer) or strategy='dta'")
     plan = {**model_plan(model), **dict(plan_overrides or {})}
     if not plan:
         raise TensorParallelError(

@@ -27,6 +27,7 @@ from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.forward import forward_batch, loss_inputs
+from lightning_dta.engine.layer_kinds import ATTENTION, LAYER_KINDS, model_layer_kinds
 from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
 from lightning_dta.engine.sibling_batch import SiblingBatch
@@ -58,7 +59,7 @@ def measure_rates(model: nn.Module, info: ModelInfo, dtype: torch.dtype, loss_fn
         with SavedTensorMeter(model) as body:
             forward_batch(model, info, batch, None, [torch.arange(0)])
         with SavedTensorMeter(model) as whole:
-            logits, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
+            logits, _, _ = forward_batch(model, info, batch, None, [torch.arange(PROBE_TOKENS - 1)])
             # log-probs and entropies, or a critic's values (the temperature does not change what is saved)
             loss_inputs(loss_fn, logits[0], targets, dtype, 1.0)
         rows, columns = 8, 16
@@ -90,16 +91,23 @@ def _probe_data(rows: int, columns: int, dtype: torch.dtype, device: torch.devic
 
 
 def path_kv_bytes(config, capacity: int, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """The path's key/value buffers for ``capacity`` positions (not their gradients): layers x 2 x kv heads x
-    capacity x head dim (a tensor-parallel rank holds ``1/tp_size`` of the heads). The budget counts them in full:
-    attention saves views of them for backward."""
+    """The path's key/value buffers for ``capacity`` positions (not their gradients): attention layers x 2 x kv
+    heads x capacity x head dim (a tensor-parallel rank holds ``1/tp_size`` of the heads). The budget counts them in
+    full: attention saves views of them for backward. The recurrent layers of a hybrid keep no keys/values (their
+    fixed-size states at the path's chunk ends are not counted here)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = model_layer_kinds(config)
+    # a kind the engine does not know counts as attention (the walk refuses it; a plan stays on the safe side)
+    layers = config.num_hidden_layers if kinds is None else sum(LAYER_KINDS.get(k, ATTENTION).keys_values
+                                                                for k in kinds)
+    if layers == 0:  # a pure state-space model
+        return 0
     heads = config.num_attention_heads
     # optional config fields: not every model family has them
     kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
     # optional config fields: not every model family has them
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * capacity * torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * head_dim * capacity * torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass

@@ -43,6 +43,12 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
     if engine.mode == "dfs" and engine.activation in ("recompute", "auto") and info.has_active_dropout:
         raise ModelNotSupportedError(f"activation={engine.activation!r} re-runs chunks, and active dropout would draw "
                                      "a different mask the second time. Fix: set dropout to 0 or call model.eval().")
+    if engine.mode == "mask" and info.recurrent:
+        raise ModelNotSupportedError(
+            f"mode='mask' packs the whole tree into one sequence under a tree attention mask, and "
+            f"{type(model).__name__} has recurrent layers (layer types {sorted(set(info.layer_kinds))}): a mask "
+            "cannot reach a recurrent layer, whose scan would run across branches. Fix: use mode='dfs' (exact: "
+            "each node continues from its parent's state) or 'vanilla'.")
     if engine.mode == "mask" and info.attn_implementation not in (None, "sdpa", "eager"):
         raise ModelNotSupportedError(
             f"mode='mask' needs an arbitrary 4-D attention mask, which attn_implementation="

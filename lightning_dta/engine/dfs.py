@@ -1,8 +1,9 @@
 """The depth-first training walk: push, visit, pop over the prefix tree.
 
-*push* forwards only a chunk's own tokens with the path's keys/values as its prefix; *visit* of a leaf computes
-its loss and backpropagates at once; *pop* runs the chunk's backward once, with its own loss plus the
-gradients that all its descendants sent to its keys/values. Long nodes are split into chains of at most
+*push* forwards only a chunk's own tokens with the path's keys/values as its prefix (and, in recurrent layers, the
+state at its start); *visit* of a leaf computes its loss and backpropagates at once; *pop* runs the chunk's
+backward once, with its own loss plus the gradients that all its descendants sent to its keys/values and to its
+recurrent layers' end state. Long nodes are split into chains of at most
 ``chunk_size`` tokens, which is exactly "pop back to front in chunks". Under ``activation="recompute"`` the push
 runs without a graph and the pop re-forwards the chunk with grad, so memory holds the path's keys/values and
 their gradients plus one chunk's activations.
@@ -27,6 +28,7 @@ from lightning_dta.engine.activation_budget import ActivationBudget, measure_rat
 from lightning_dta.engine.forward import forward_batch, loss_inputs
 from lightning_dta.engine.model_info import ModelInfo, tensor_parallel_mesh
 from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.recurrent_state import flatten, row_states
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import ChunkTargets, StepData
 from lightning_dta.engine.walk import Chunk, TreeWalk
@@ -55,8 +57,8 @@ class DFSSchedule(TreeWalk):
     memory, so the prediction follows the very schedule that runs."""
 
     def __init__(self, tree: PrefixTree, engine: EngineOptions, packed: bool, step: StepData,
-                 budget: ActivationBudget | None) -> None:
-        super().__init__(tree, engine, packed)
+                 budget: ActivationBudget | None, recurrent: bool = False) -> None:
+        super().__init__(tree, engine, packed, recurrent)
         self.step = step
         self.budget = budget
         self.room_below = self._room_below() if budget is not None else {}
@@ -156,7 +158,7 @@ class DFSWalk(DFSSchedule):
     def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, step: StepData, loss_fn: Objective,
                  engine: EngineOptions, sums: dict) -> None:
         super().__init__(tree, engine, info.packs_siblings, step,
-                         activation_budget(model, info, tree, engine, step.dtype, loss_fn))
+                         activation_budget(model, info, tree, engine, step.dtype, loss_fn), info.recurrent)
         self.model = model
         self.info = info
         self.loss_fn = loss_fn
@@ -179,12 +181,13 @@ class DFSWalk(DFSSchedule):
         columns = [t.columns if with_grad else t.columns[:0] for t in targets]
         with torch.set_grad_enabled(with_grad):
             past, leaves_kv = self.kv.past(batch.start, requires_grad=with_grad)
-            per_chunk, new_kv = forward_batch(self.model, self.info, batch, past, columns)
+            states, leaves_states = self.states.past(batch.start, requires_grad=with_grad)
+            per_chunk, new_kv, new_states = forward_batch(self.model, self.info, batch, past, columns, states)
             loss = None
             if with_grad:
                 losses = [self._loss(logits, t) for logits, t in zip(per_chunk, targets) if not t.empty]
                 loss = sum(losses) if losses else None
-        return loss, new_kv, leaves_kv
+        return loss, new_kv, new_states, (leaves_kv, leaves_states)
 
     def visit_batch(self, chunks: list[Chunk]) -> None:
         """Push sibling chunks together, walk each one's subtree, then pop them with one backward."""
@@ -192,23 +195,28 @@ class DFSWalk(DFSSchedule):
         if plan is None:
             return
         chunks, targets, batch = plan.chunks, plan.targets, plan.batch
-        loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=plan.keep)
-        kv_grads = None
+        loss, new_kv, new_states, leaves = self._forward(batch, targets, with_grad=plan.keep)
+        kv_grads = state_grads = None
         if any(plan.inner):
             kv_grads = [torch.zeros_like(t) for pair in new_kv for t in pair]
+            state_grads = [torch.zeros_like(t) for t in flatten(new_states)]
             for row, chunk in enumerate(chunks):
                 if not chunk.has_children:
                     continue
                 self.kv.write(chunk.start, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
+                self.states.write(chunk.end, row_states(new_states, row))
                 self.descend(chunk)
                 for grad, path_grad in zip(kv_grads, self.kv.grads(chunk.start, chunk.end)):
                     batch.row(grad, row).copy_(path_grad)
+                for grad, path_grad in zip(state_grads, self.states.grads(chunk.end)):
+                    grad[row:row + 1].copy_(path_grad)
+                self.states.drop(chunk.end)
             if not plan.keep:  # pop: re-forward the batch with grad, behind the subtrees
-                loss, new_kv, leaves_kv = self._forward(batch, targets, with_grad=True)
+                loss, new_kv, new_states, leaves = self._forward(batch, targets, with_grad=True)
         outputs, grads = [], []
         if kv_grads is not None:
-            outputs += [t for pair in new_kv for t in pair]
-            grads += kv_grads
+            outputs += [t for pair in new_kv for t in pair] + flatten(new_states)
+            grads += kv_grads + state_grads
         if loss is not None:
             outputs.append(loss)
             grads.append(None)
@@ -216,5 +224,6 @@ class DFSWalk(DFSSchedule):
         pairs = [(t, g) for t, g in zip(outputs, grads) if t.requires_grad]
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self.kv.collect(batch.start, leaves_kv)
+        self.kv.collect(batch.start, leaves[0])
+        self.states.collect(batch.start, leaves[1])
         self.release(plan)

@@ -21,40 +21,71 @@ from lightning_dta.contracts import Objective
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
+from lightning_dta.engine.layer_kinds import LAYER_KINDS, cache_layer_classes
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.prefix_attention import attention_switch
+from lightning_dta.engine.recurrent_state import StateLayer, States
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.token_scores import token_scores
 
 
 class RecordingCache(DynamicCache):
-    """A ``DynamicCache`` pre-filled with the path's keys/values that records each layer's new ones."""
+    """A ``DynamicCache`` pre-filled with the path's keys/values that records each layer's new ones. For a model
+    with layers of other kinds (``kinds``: recurrent layers, layers without a mixer), each layer gets its kind's cache
+    layer: a :class:`~lightning_dta.engine.recurrent_state.StateLayer` per recurrent layer continues from the path's
+    states (``states``) and records the chunk's end states."""
 
-    def __init__(self, past: KV | None) -> None:
+    def __init__(self, past: KV | None, kinds: tuple[str, ...] | None = None, states: States | None = None) -> None:
         super().__init__()
         self.new_kv = KVRecorder()
-        if past:
-            layers = []
-            for keys, values in past:
-                layer = DynamicLayer()
-                layer.lazy_initialization(keys, values)
-                layer.keys, layer.values = keys, values  # no copy: the first update concatenates
-                layers.append(layer)
-            self.layers = layers
+        self.state_layers: list[StateLayer] = []
+        if not kinds or all(LAYER_KINDS[kind].keys_values for kind in kinds):  # attention only: layer i is past[i]
+            if past:
+                self.layers = [_prefilled(keys, values) for keys, values in past]
+            return
+        # past[j] is the j-th attention layer's: lay every layer out by its kind
+        past_kv, past_states = iter(past or ()), iter(states or ())
+        _, dummy_layer = cache_layer_classes()
+        layers = []
+        for kind_name in kinds:
+            kind = LAYER_KINDS[kind_name]
+            if kind.keys_values:
+                layers.append(_prefilled(*next(past_kv)) if past else DynamicLayer())
+            elif kind.states:
+                self.state_layers.append(StateLayer(kind, next(past_states) if states else None))
+                layers.append(self.state_layers[-1])
+            else:
+                layers.append(dummy_layer())
+        self.layers = layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.new_kv.record(layer_idx, key_states, value_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def new_states(self) -> States | None:
+        """Every recurrent layer's state at the chunk's end (``None``: a mixer did not hand over all of its)."""
+        finals = [layer.final() for layer in self.state_layers]
+        return None if any(f is None for f in finals) else finals
+
+
+def _prefilled(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
+    layer = DynamicLayer()
+    layer.lazy_initialization(keys, values)
+    layer.keys, layer.values = keys, values  # no copy: the first update concatenates
+    return layer
+
 
 def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: KV | None,
-                  columns: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], KV]:
+                  columns: list[torch.Tensor] | None, states: States | None = None
+                  ) -> tuple[list[torch.Tensor], KV, States]:
     """Forward a sibling batch at positions ``batch.start ..`` after a prefix of that length.
 
-    ``past`` holds each layer's prefix keys/values ``[1, kv_heads, start, dim]``, shared by all chunks.
-    Returns each chunk's logits at its ``columns`` ``[C_i, V]`` (all its positions if ``None``) and the new
-    keys/values of every layer (read a chunk's part with ``batch.row``), attached to the graph when grad is
-    enabled.
+    ``past`` holds each attention layer's prefix keys/values ``[1, kv_heads, start, dim]`` and ``states`` each
+    recurrent layer's state at ``start`` (rows first, one row), both shared by all chunks. Returns each chunk's
+    logits at its ``columns`` ``[C_i, V]`` (all its positions if ``None``), the new keys/values of every attention
+    layer (read a chunk's part with ``batch.row``) and every recurrent layer's state at the end of each row (a
+    row's own end only if it is the batch's longest: :class:`~lightning_dta.engine.walk.TreeWalk` batches chunks
+    that hand a state on by length), attached to the graph when grad is enabled.
     """
     device = info.device
     input_ids, positions = to_device(batch.input_ids(), device), to_device(batch.positions(), device)
@@ -65,23 +96,31 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
     if info.packs_siblings:
         with attention_switch(info.prefix_attention_configs, info.attention_backend, past, batch.spans) as switched:
             logits = model(input_ids=input_ids, position_ids=positions, use_cache=False, **kwargs).logits
-        recorder = switched.new_kv
+        recorder, new_states = switched.new_kv, []  # prefix attention never runs on models with recurrent layers
     else:
         rows = input_ids.shape[0]
         if past and rows > 1:
             past = [(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in past]
-        cache = RecordingCache(past)
+        if states and rows > 1:  # siblings start from the same state
+            states = [tuple(t.expand(rows, *t.shape[1:]) for t in layer) for layer in states]
+        cache = RecordingCache(past, info.layer_kinds, states)
         # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + chunks.
         attention_mask = torch.ones(rows, batch.start + input_ids.shape[1], dtype=torch.long, device=device)
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
                        **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
         recorder = cache.new_kv
+        new_states = cache.new_states()
+        if new_states is None:
+            raise ModelNotSupportedError(
+                f"a recurrent layer of {type(model).__name__} did not hand its new state to the cache in a forward "
+                "(it updated it in place or kept it), so the state at a node's end cannot be handed to its children. "
+                "Fix: use mode='vanilla'.")
     _check_layers(model, info, recorder)
     if kept is None:  # every position
-        return batch.split_all(logits), recorder.kv()
+        return batch.split_all(logits), recorder.kv(), new_states
     if not info.logits_to_keep:
         logits = logits[:, to_device(kept, logits.device)]
-    return batch.split_logits(logits, kept, columns), recorder.kv()
+    return batch.split_logits(logits, kept, columns), recorder.kv(), new_states
 
 
 def forward_cousins(model: nn.Module, info: ModelInfo, batch, levels: list) -> tuple[list[torch.Tensor], KV]:
@@ -99,11 +138,12 @@ def forward_cousins(model: nn.Module, info: ModelInfo, batch, levels: list) -> t
 
 
 def _check_layers(model: nn.Module, info: ModelInfo, recorder) -> None:
-    if info.num_layers is not None and len(recorder) != info.num_layers:
+    if info.kv_layers is not None and len(recorder) != info.kv_layers:
         raise ModelNotSupportedError(
-            f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.num_layers} layers in a "
-            "forward; the tree engine needs every layer's (layers without a KV cache, such as linear-attention or "
-            "state-space layers, cannot take a shared prefix this way). Fix: use mode='vanilla'"
+            f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.kv_layers} layers with "
+            "attention in a forward; the tree engine needs every such layer's (a layer that mixes tokens outside the "
+            "cache, such as a custom attention path or a recurrent layer that config.layer_types does not declare, "
+            "cannot take a shared prefix this way). Fix: use mode='vanilla'"
             + (", or prefix_attention=False if the model's attention bypasses the attention interface"
                if info.packs_siblings else "") + ".")
 

@@ -62,6 +62,8 @@ class PathKV:
 
     def write(self, start: int, new_kv: KV) -> None:
         """Store a chunk's keys/values at ``start..`` and clear the gradients collected there."""
+        if not new_kv:  # a model without attention layers (a pure state-space model)
+            return
         if not self.keys:
             self._allocate(new_kv)
         end = start + new_kv[0][0].shape[2]

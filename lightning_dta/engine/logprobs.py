@@ -21,6 +21,7 @@ from lightning_dta.engine.device import expected_sync, to_device
 from lightning_dta.engine.forward import forward_batch, forward_cousins, forward_plain
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.recurrent_state import row_states
 from lightning_dta.engine.sibling_batch import SiblingBatch
 from lightning_dta.engine.step_data import StepData, check_tree_fits_model
 from lightning_dta.engine.token_scores import token_scores
@@ -35,7 +36,7 @@ class LogprobWalk(TreeWalk):
 
     def __init__(self, model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
                  values: bool = False) -> None:
-        super().__init__(tree, engine, info.packs_siblings)
+        super().__init__(tree, engine, info.packs_siblings, info.recurrent)
         self.model = model
         self.info = info
         self.values = values
@@ -77,13 +78,16 @@ class LogprobWalk(TreeWalk):
     def visit_batch(self, chunks: list[Chunk]) -> None:
         batch = SiblingBatch.of(self.tree, chunks, self.info.packs_siblings)
         past, _ = self.kv.past(batch.start, requires_grad=False)
-        logits, new_kv = forward_batch(self.model, self.info, batch, past, None)
+        states, _ = self.states.past(batch.start, requires_grad=False)
+        logits, new_kv, new_states = forward_batch(self.model, self.info, batch, past, None, states)
         for chunk_logits, chunk in zip(logits, chunks):
             self._record(chunk_logits, chunk)
         for row, chunk in enumerate(chunks):
             if chunk.has_children:
                 self.kv.write(chunk.start, [(batch.row(k, row), batch.row(v, row)) for k, v in new_kv])
+                self.states.write(chunk.end, row_states(new_states, row))
                 self.descend(chunk)
+                self.states.drop(chunk.end)
 
 
 class CousinLogprobWalk(LogprobWalk):

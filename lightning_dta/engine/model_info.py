@@ -21,14 +21,19 @@ from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.engine.attention_backends import AttentionBackend, choose_backend
 from lightning_dta.engine.attention_check import check_kernels, fall_back
 from lightning_dta.engine.errors import ModelNotSupportedError
+from lightning_dta.engine.layer_kinds import (
+    ATTENTION,
+    LAYER_KINDS,
+    check_layer_kinds,
+    is_recurrent,
+    model_layer_kinds,
+)
 from lightning_dta.engine.prefix_attention import (
     attention_configs,
     original_implementation,
     probe,
     unsupported_reason,
 )
-
-KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")  # layer types that cache keys/values
 
 
 @dataclass(frozen=True)
@@ -45,12 +50,25 @@ class ModelInfo:
     # model's own attention with a KV cache and a causal mask)
     prefix_attention_configs: tuple = ()
     attention_backend: AttentionBackend | None = None  # prefix attention's kernels (with the configs above)
-    num_layers: int | None = None  # decoder layers, each of which must hand over its new keys/values
+    num_layers: int | None = None  # decoder layers
+    layer_kinds: tuple[str, ...] | None = None  # each decoder layer's kind (layer_kinds.LAYER_KINDS), if given
 
     @property
     def packs_siblings(self) -> bool:
         """Sibling chunks go into one packed row (prefix attention) rather than padded rows."""
         return bool(self.prefix_attention_configs)
+
+    @property
+    def recurrent(self) -> bool:
+        """Some layers hand a recurrent state from chunk to chunk (a hybrid or state-space model)."""
+        return is_recurrent(self.layer_kinds)
+
+    @property
+    def kv_layers(self) -> int | None:
+        """The layers that must hand over their new keys/values in every forward."""
+        if self.layer_kinds is None:
+            return self.num_layers
+        return sum(LAYER_KINDS.get(kind, ATTENTION).keys_values for kind in self.layer_kinds)
 
 
 def _forward_parameters(model: nn.Module) -> dict[str, inspect.Parameter]:
@@ -172,16 +190,18 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
     attn_implementation = original_implementation(config) if config is not None else None
     # optional config fields: not every model family has them
     num_layers = getattr(text, "num_hidden_layers", None)
-    # optional config fields: not every model family has them
-    cacheless = sorted({kind for kind in getattr(text, "layer_types", None) or () if kind not in KV_LAYER_TYPES})
-    if uses_cache and cacheless:
-        raise ModelNotSupportedError(
-            f"{type(model).__name__} has layers of type {cacheless}, which keep no keys/values: a shared prefix "
-            "cannot be handed to them as a cache, and a tree mask does not reach them. Fix: mode='vanilla'.")
+    kinds = model_layer_kinds(text)
+    if uses_cache:
+        check_layer_kinds(model, kinds)
     if uses_cache and (reason := dynamic_mask_reason(model, attention_configs(model))):
         raise ModelNotSupportedError(f"{reason}.")
     configs, backend = (), None
-    if uses_cache and prefix_attention is not False:
+    if uses_cache and prefix_attention and is_recurrent(kinds):
+        raise ModelNotSupportedError(
+            f"prefix_attention=True, but {type(model).__name__} has recurrent layers: prefix attention packs sibling "
+            "chunks into one row, and a recurrent layer would run one scan across the siblings. Fix: pass "
+            "prefix_attention=None (the engine then uses the model's own attention over a cache) or prefix_attention=False.")
+    if uses_cache and prefix_attention is not False and not is_recurrent(kinds):
         configs, backend, reason = choose_prefix_attention(
             model, first.device, compute_dtype(first.dtype, first.device), num_layers, prefix_attention_backend)
         if not _agreed_by_tensor_parallel_peers(model, reason is None):
@@ -191,7 +211,7 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or prefix_attention=False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, attn_implementation, configs, backend, num_layers)
+                     dropout, attn_implementation, configs, backend, num_layers, kinds)
 
 
 def _agreed_by_tensor_parallel_peers(model: nn.Module, usable: bool) -> bool:

@@ -12,7 +12,8 @@ The vocabulary of the engine:
 
 :class:`TreeWalk` cuts the children of a node into chunks, orders them, groups them into sibling batches of at
 most ``sibling_batch_tokens`` computed tokens, and hands each batch to :meth:`TreeWalk.visit_batch`, which a
-walker implements: it forwards the batch, writes each chunk's keys/values into the path buffers and calls
+walker implements: it forwards the batch, writes each chunk's keys/values into the path buffers (and, for a model
+with recurrent layers, its end state into :class:`~lightning_dta.engine.recurrent_state.PathStates`) and calls
 :meth:`TreeWalk.descend` for the chunks with something below them.
 """
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from lightning_dta.core.tree import PrefixTree, TreeNode
 from lightning_dta.engine.kv import PathKV
 from lightning_dta.engine.options import EngineOptions
+from lightning_dta.engine.recurrent_state import PathStates
 
 MAX_PADDING = 0.15  # a padded batch stops growing once padding would exceed this fraction of its computed tokens
 
@@ -117,11 +119,13 @@ class TreeWalk:
 
     with_grads = True  # whether the path buffers collect gradients
 
-    def __init__(self, tree: PrefixTree, engine: EngineOptions, packed: bool) -> None:
+    def __init__(self, tree: PrefixTree, engine: EngineOptions, packed: bool, recurrent: bool = False) -> None:
         self.tree = tree
         self.engine = engine
         self.packed = packed  # sibling batches are packed rows (prefix attention), else padded rows
+        self.recurrent = recurrent  # the model has recurrent layers: chunks hand on a state at their end
         self.kv = PathKV(tree.stats.max_depth_tokens, with_grads=self.with_grads)
+        self.states = PathStates(with_grads=self.with_grads, required=recurrent)
 
     def run(self) -> None:
         with recursion_room(self.deepest_chain()):
@@ -153,11 +157,22 @@ class TreeWalk:
 
     def visit_children(self, node: TreeNode) -> None:
         chunks = [Chunk.first(child, self.chunk_tokens()) for child in order_children(node, self.engine.order)]
-        for group in self.groups(chunks):
+        for group in (part for whole in self.groups(chunks) for part in self.state_groups(whole)):
             if self.engine.order == "leaves-first":
                 group = sorted(group, key=lambda chunk: chunk.length)  # similar lengths: little padding
             for batch in batch_by_budget(group, self.batch_tokens(group), self.packed):
                 self.visit_batch(batch)
+
+    def state_groups(self, group: list[Chunk]) -> list[list[Chunk]]:
+        """With recurrent layers, the chunks that hand a state on (something lies below them) go into batches of
+        one length: a padded row's state at the batch's end is its own end state only if it has no padding (the
+        scan would run on through the padding). Leaves hand nothing on and keep their batches."""
+        if not self.recurrent:
+            return [group]
+        parts: dict[int | None, list[Chunk]] = {}
+        for chunk in group:
+            parts.setdefault(chunk.length if chunk.has_children else None, []).append(chunk)
+        return list(parts.values())
 
     def descend(self, chunk: Chunk) -> None:
         """Walk what lies below ``chunk``: the node's next chunk, or the node's children."""

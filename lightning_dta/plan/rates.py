@@ -122,7 +122,7 @@ def _probe(config, layers: int, vocab: int, dtype: torch.dtype) -> _Probe:
     tree = PrefixTree.from_rollouts([Rollout(input_ids=[i % vocab for i in range(PROBE_TOKENS)])])
     batch = SiblingBatch.of(tree, [Chunk.first(tree.root.children[0], None)], info.packs_siblings)
     with torch.enable_grad(), SavedTensorMeter(model) as meter:
-        logits, new_kv = forward_batch(model, info, batch, None, [torch.arange(0)])
+        logits, new_kv, _ = forward_batch(model, info, batch, None, [torch.arange(0)])
         del logits
         retained = meter.current_bytes / PROBE_TOKENS
     del new_kv

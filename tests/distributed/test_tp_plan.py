@@ -76,6 +76,14 @@ def test_heads_not_divisible_by_the_size() -> None:
         TP.tp_plan(make_model("llama"), 8)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h"])
+def test_recurrent_layers_are_refused(family: str) -> None:
+    """Hybrids declare plans (Qwen3.5 gathers its Gated DeltaNet outputs), but the recurrent states the walk hands
+    between chunks are not verified under them: refused with the fix, before any sharding."""
+    with pytest.raises(TP.TensorParallelError, match=r"recurrent layers .*Fix: tensor_parallel_size=1"):
+        TP.translate(make_model(family), 2)
+
+
 def test_a_model_without_a_plan() -> None:
     with pytest.raises(TP.TensorParallelError, match="declares no tensor-parallel plan.*Fix: pass plan_overrides"):
         TP.tp_plan(make_model("gpt2"), 2)

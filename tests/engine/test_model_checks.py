@@ -173,17 +173,6 @@ def test_attention_dropout_falls_back_to_the_model_attention():
     dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), prefix_attention=True)  # no dropout in eval mode
 
 
-def test_layers_without_keys_values_are_refused():
-    from transformers import Lfm2Config, Lfm2ForCausalLM
-
-    model = Lfm2ForCausalLM(Lfm2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2,
-                                       layer_types=["conv", "full_attention"]))
-    for mode in ("dfs", "mask"):
-        with pytest.raises(dta.ModelNotSupportedError, match=r"layers of type \['conv'\].*mode='vanilla'"):
-            dta.tree_backward(model, tiny_tree(), dta.PolicyLoss(), mode=mode)
-
-
 def test_overlapping_switches_restore_the_model_attention_once():
     """Two engine runs on one model overlapping in time (threads) must leave the model's own attention."""
     from lightning_dta.engine.attention_backends import CPUFlashBackend

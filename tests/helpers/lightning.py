@@ -124,13 +124,15 @@ class SignalAtStep(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def run_cli(tmp_path: Path, *overrides: str, timeout: float = 300) -> list[dict[str, float]]:
-    """Run ``lightning-dta fit --config configs/tiny_cpu.yaml`` and return the metric rows of its CSV log."""
-    cmd = [str(EXECUTABLE), "fit", "--config", "configs/tiny_cpu.yaml",
+def run_cli(tmp_path: Path, *overrides: str, timeout: float = 300, config: str = "tiny_cpu"
+            ) -> list[dict[str, float]]:
+    """Run ``lightning-dta fit --config configs/{config}.yaml`` (whose CSV logger is named ``config``) and return the
+    metric rows of its CSV log."""
+    cmd = [str(EXECUTABLE), "fit", "--config", f"configs/{config}.yaml",
            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    (metrics,) = tmp_path.glob("tiny_cpu/version_*/metrics.csv")
+    (metrics,) = tmp_path.glob(f"{config}/version_*/metrics.csv")
     return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(open(metrics))]
 
 

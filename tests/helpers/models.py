@@ -79,6 +79,8 @@ def make_model(family: str, dtype: torch.dtype = torch.float64, seed: int = 0) -
         config = DiffLlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, max_position_embeddings=MAX_POS, **common)
         model = DiffLlamaForCausalLM(config)
+    elif family in HYBRID_FAMILIES:
+        model = make_hybrid(family)
     elif family == "gpt2":
         config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=MAX_POS, resid_pdrop=0.0, embd_pdrop=0.0,
                             attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **common)
@@ -138,3 +140,87 @@ OBJECTIVE_CONFIGS = {
     "mask": dict(mode="mask"),
     "vanilla": dict(mode="vanilla"),
 }
+
+
+# Hybrid and state-space families: recurrent layers (Gated DeltaNet, short convolutions, Mamba2) next to attention.
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "mamba2", "nemotron_h", "olmo_hybrid", "lfm2_moe", "bamba",
+                   "granitemoehybrid")
+CONV_KERNEL = 4  # the recurrent layers' convolution kernel: chunks of 1-3 tokens are shorter than its window
+SCAN_CHUNK = 8  # Mamba2's scan chunk: rollouts of up to ~30 tokens cross several
+
+
+def make_hybrid(family: str) -> torch.nn.Module:
+    """A tiny hybrid of ``family`` with a recurrent layer first, then attention (or only recurrent layers)."""
+    from transformers import (
+        BambaConfig,
+        BambaForCausalLM,
+        GraniteMoeHybridConfig,
+        GraniteMoeHybridForCausalLM,
+        Lfm2Config,
+        Lfm2ForCausalLM,
+        Lfm2MoeConfig,
+        Lfm2MoeForCausalLM,
+        Mamba2Config,
+        Mamba2ForCausalLM,
+        NemotronHConfig,
+        NemotronHForCausalLM,
+        OlmoHybridConfig,
+        OlmoHybridForCausalLM,
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS)
+    delta = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=CONV_KERNEL)
+    common = dict(vocab_size=VOCAB, hidden_size=32)
+    if family == "qwen3_5":
+        return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+            intermediate_size=64, num_hidden_layers=3, layer_types=["linear_attention", "full_attention",
+                                                                    "linear_attention"],
+            **attention, **delta, **common))
+    if family == "qwen3_next":  # MoE blocks: eager experts run in float64
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            intermediate_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+            num_experts_per_tok=2, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+            **attention, **delta, **common))
+        model.set_experts_implementation("eager")
+        return model
+    if family == "lfm2":
+        return Lfm2ForCausalLM(Lfm2Config(
+            intermediate_size=64, num_hidden_layers=3, full_attn_idxs=[1], conv_L_cache=CONV_KERNEL,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS, **common))
+    if family == "olmo_hybrid":
+        return OlmoHybridForCausalLM(OlmoHybridConfig(
+            intermediate_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+            num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_POS, pad_token_id=0,
+            eos_token_id=0, **delta, **common))
+    if family == "lfm2_moe":  # a dense first layer, then MoE blocks (eager experts run in float64)
+        model = Lfm2MoeForCausalLM(Lfm2MoeConfig(
+            intermediate_size=64, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+            num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=CONV_KERNEL,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_POS, pad_token_id=0, **common))
+        model.set_experts_implementation("eager")
+        return model
+    granite_mamba = dict(mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_d_conv=CONV_KERNEL,
+                         mamba_chunk_size=SCAN_CHUNK, mamba_expand=2, intermediate_size=64, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=MAX_POS, pad_token_id=0, **common)
+    if family == "bamba":
+        return BambaForCausalLM(BambaConfig(num_hidden_layers=2, attn_layer_indices=[1], **granite_mamba))
+    if family == "granitemoehybrid":  # MoE blocks (eager experts run in float64)
+        model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
+            num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+            shared_intermediate_size=32, **granite_mamba))
+        model.set_experts_implementation("eager")
+        return model
+    mamba = dict(n_groups=1, conv_kernel=CONV_KERNEL, chunk_size=SCAN_CHUNK, expand=2)
+    if family == "mamba2":
+        return Mamba2ForCausalLM(Mamba2Config(num_heads=8, head_dim=8, state_size=8, num_hidden_layers=2, **mamba,
+                                              **common))
+    if family == "nemotron_h":
+        return NemotronHForCausalLM(NemotronHConfig(
+            layers_block_type=["mamba", "attention", "mlp"], intermediate_size=64, mamba_num_heads=8,
+            mamba_head_dim=8, ssm_state_size=8, **attention, **mamba, **common))
+    raise ValueError(family)

@@ -148,6 +148,14 @@ def test_fit_tiny_cpu_on_two_processes(tmp_path: Path) -> None:
         assert row["train/num_rollouts"] == 16
 
 
+@pytest.mark.slow
+def test_fit_tiny_hybrid_cpu(tmp_path: Path) -> None:
+    """``lightning-dta fit`` with a hybrid (Qwen3.5: Gated DeltaNet and attention) config trains on its trees."""
+    rows = step_rows(run_cli(tmp_path, "--trainer.max_steps=2", config="tiny_hybrid_cpu"))
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train/compression_ratio"] > 1 and r["train/grad_norm"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 def test_config_parses(config: Path, capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_info:
