@@ -200,7 +200,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         raise ModelNotSupportedError(
             f"prefix_attention=True, but {type(model).__name__} has recurrent layers: prefix attention packs sibling "
             "chunks into one row, and a recurrent layer would run one scan across the siblings. Fix: pass "
-            "prefix_attention=None (the engine then uses the model's own attention over a cache) or prefix_attention=False.")
+            "prefix_attention=None (the engine then uses the model's own attention over a cache) or "
+            "prefix_attention=False.")
     if uses_cache and prefix_attention is not False and not is_recurrent(kinds):
         configs, backend, reason = choose_prefix_attention(
             model, first.device, compute_dtype(first.dtype, first.device), num_layers, prefix_attention_backend)

@@ -226,10 +226,11 @@ def refused_model(name: str) -> torch.nn.Module:
         model = NoCacheLM()
     elif name == "no KV cache (output)":
         model = NoCacheOutputLM()
-    elif name == "layers without keys/values":
-        model = transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+    elif name == "a layer kind the engine does not walk":  # Falcon-H1: attention and Mamba2 side by side
+        model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
             vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, layer_types=["conv", "full_attention"]))
+            num_key_value_heads=4, head_dim=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_heads=8,
+            mamba_d_head=8, mamba_n_groups=1, mamba_d_ssm=64, mamba_chunk_size=8))
     else:
         model = transformers.DogeForCausalLM(transformers.DogeConfig(
             vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -245,8 +246,8 @@ def engine_fix(message: str) -> dict[str, str]:
     return dict(re.findall(rf"\b({names})='([^']*)'", fix))
 
 
-@pytest.mark.parametrize("name", ["no KV cache (logits)", "no KV cache (output)", "layers without keys/values",
-                                  "MoE router"])
+@pytest.mark.parametrize("name", ["no KV cache (logits)", "no KV cache (output)",
+                                  "a layer kind the engine does not walk", "MoE router"])
 def test_the_fix_of_every_model_refusal_runs(name: str) -> None:
     """Issue 32: the refused model, with the fix its refusal names, runs the forward-only walk (which the warm start
     and the reference log-probs call) and training, and the log-probs are the definition's: each rollout alone
