@@ -112,7 +112,11 @@ class DTACLI(LightningCLI):
         given = list(sys.argv[1:] if args is None else args) if not isinstance(args, (dict, Namespace)) else []
         if "--help-all" in given:
             fix_lightning_defaults(fit)
-            args = [("--help" if arg == "--help-all" else arg) for arg in given]
+            given = [("--help" if arg == "--help-all" else arg) for arg in given]
+            if args is None:  # LightningCLI warns when given both arguments and sys.argv
+                sys.argv[1:] = given
+            else:
+                args = given
         elif {"-h", "--help"} & set(given):
             print(short_help(fit), end="")
             raise SystemExit(0)
