@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import inspect
 import re
 from argparse import ArgumentError
 from collections.abc import Iterable, Sequence
@@ -27,6 +29,8 @@ NOT_ACCEPTED = re.compile(r"Subcommand '[^']*' does not accept option '([^']+)'"
 PARSER_KEY = re.compile(r'Parser key "([^"]+)":\s*(.*)', re.S)
 CHOICE = re.compile(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.*)\)", re.S)
 TYPES = re.compile(r"<class '([\w.]+)'>")
+NOT_AN_ARGUMENT = re.compile(r"Option '([^']+)' is not accepted")
+CLASS_PATH = re.compile(r"class_path[ =]'([\w.]+)'")
 LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", re.S)
 
 
@@ -92,6 +96,12 @@ def refusal(message: str, keys: Sequence[str], verb: str) -> ConfigError:
             allowed = [a.strip().strip("'\"") for a in literal.group(1).split(",")]
             given = literal.group(2).strip()
             return ConfigError(f"{key}={given!r} is not one of its values. Fix: {_one_of(given, allowed)}")
+        if option := NOT_AN_ARGUMENT.search(detail):  # a class's init_args: the first class_path named
+            return _not_an_argument(key, option.group(1), CLASS_PATH.search(detail), verb)
+        if "Subtypes:" in detail and (values := _literal_values(detail)):  # a name or a number (precision)
+            given = re.search(r"Given value: (.*)", detail)
+            given = given.group(1).strip() if given else "?"
+            return ConfigError(f"{key}={given!r} is not one of its values. Fix: {_one_of(given, values)}")
         if key == "config" and "does not exist" in detail:
             return ConfigError(f"--config: {' '.join(detail.split())}. Fix: the path of a YAML config file, such as "
                                "configs/tiny_cpu.yaml")
@@ -103,6 +113,30 @@ def refusal(message: str, keys: Sequence[str], verb: str) -> ConfigError:
         return ConfigError(f"{key}: {_one_line(detail)}. Fix: a value of the type lightning-dta {verb} --help "
                            f"shows for --{key}")
     return ConfigError(f"{_one_line(message)}. Fix: lightning-dta {verb} --help lists the settings")
+
+
+def _not_an_argument(key: str, name: str, class_path: re.Match | None, verb: str) -> ConfigError:
+    """``--KEY.init_args.NAME`` where the class of ``KEY`` takes no argument ``NAME``: the nearest it takes."""
+    if class_path is None:
+        return ConfigError(f"{key}: the class takes no argument {name!r}. Fix: lightning-dta {verb} --{key}.help CLASS "
+                           "lists its arguments")
+    path = class_path.group(1)
+    module, _, attribute = path.rpartition(".")
+    try:
+        parameters = list(inspect.signature(getattr(importlib.import_module(module), attribute)).parameters)
+    except (ImportError, AttributeError, TypeError, ValueError):  # a class the signature cannot be read of
+        parameters = []
+    close = difflib.get_close_matches(name, parameters, n=1, cutoff=0.6)
+    fix = f"did you mean {key}.init_args.{close[0]}?" if close else f"lightning-dta {verb} --{key}.help {path} lists them"
+    return ConfigError(f"{key}.init_args.{name}: {path} takes no argument {name!r}. Fix: {fix}")
+
+
+def _literal_values(detail: str) -> list[str]:
+    """The values of the ``Literal`` members of a ``Union`` (``null`` for ``None``), as the parser lists them."""
+    subtypes = detail.split("Subtypes:", 1)[1].split("\n", 1)[0]
+    groups = re.findall(r"Literal\[([^\]]*)\]", subtypes)
+    values = [v.strip().strip("'\"") for group in groups for v in group.split(",")]
+    return list(dict.fromkeys(values + (["null"] if values and "NoneType" in subtypes else [])))
 
 
 def _one_of(given: str, allowed: Sequence[str]) -> str:
