@@ -127,7 +127,8 @@ def _not_an_argument(key: str, name: str, class_path: re.Match | None, verb: str
     except (ImportError, AttributeError, TypeError, ValueError):  # a class the signature cannot be read of
         parameters = []
     close = difflib.get_close_matches(name, parameters, n=1, cutoff=0.6)
-    fix = f"did you mean {key}.init_args.{close[0]}?" if close else f"lightning-dta {verb} --{key}.help {path} lists them"
+    fix = (f"did you mean {key}.init_args.{close[0]}?" if close
+           else f"lightning-dta {verb} --{key}.help {path} lists them")
     return ConfigError(f"{key}.init_args.{name}: {path} takes no argument {name!r}. Fix: {fix}")
 
 
