@@ -20,6 +20,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_dta.contracts import Objective, ParallelLayout, StepSource
 from lightning_dta.core.advantages import grpo_advantages, reinforce_baseline_advantages
+from lightning_dta.core.generation import GenerationBatches
 from lightning_dta.core.losses import PolicyLoss, Rejection, ValueLoss
 from lightning_dta.core.rollout import (
     Rollout,
@@ -62,6 +63,7 @@ __all__ = [
     "DTAModule",
     "DTAStrategy",
     "EngineOptions",
+    "GenerationBatches",
     "ModelNotSupportedError",
     "Objective",
     "PPOCritic",

@@ -161,7 +161,8 @@ class StepSource(Protocol):
     """What ``RolloutDataModule`` takes steps from: a file, a Python iterable, or online generation.
 
     A step is the whole optimizer step's rollouts (every rank reads the same steps), validated against the model's
-    limits and with its advantages already estimated: the source owns advantage estimation (a critic's GAE is the
+    limits and with its advantages already estimated (over its whole generation batch, when one feeds several steps:
+    :mod:`lightning_dta.core.generation`): the source owns advantage estimation (a critic's GAE is the
     critic's job, in the training step)."""
 
     advantage_estimator: str | None

@@ -92,14 +92,27 @@ def local_checkpoint(model: str | PathLike) -> Path:
 def build_on_meta(model: str | PathLike, model_kwargs: Mapping[str, Any] | None = None) -> tuple[nn.Module, Path]:
     """The causal LM of a checkpoint with its parameters on the meta device (no memory) and its buffers real, and
     the checkpoint's local directory: a sharding strategy allocates the shards and loads them from it."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     path = local_checkpoint(model)
-    kwargs = _dtype_kwargs(model_kwargs or {})
+    return causal_lm_on_meta(AutoConfig.from_pretrained(path), **_dtype_kwargs(model_kwargs or {})), path
+
+
+def causal_lm_on_meta(config, **kwargs: Any) -> nn.Module:
+    """``AutoModelForCausalLM.from_config(config, **kwargs)`` with its parameters on the meta device (no memory) and
+    its buffers real, tied weights tied.
+
+    ``init_empty_weights`` re-registers every parameter it sees as a new meta parameter, including the one that
+    ``tie_weights`` assigns to the output embeddings: inside it, a tied head ends up a parameter of its own, which a
+    checkpoint load then skips as a tied key and leaves uninitialised (a silently different model under
+    ``dta_fsdp``). So the weights are tied again outside it, where the assignment shares the parameter."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
     with init_empty_weights(include_buffers=False):
-        causal_lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **kwargs)
-    return causal_lm, path
+        causal_lm = AutoModelForCausalLM.from_config(config, **kwargs)
+    causal_lm.tie_weights()
+    return causal_lm
 
 
 def value_model(model: nn.Module) -> nn.Module:

@@ -2,7 +2,10 @@
 
 Group-relative estimators (GRPO, a mean baseline) need every member of a group. A data-parallel partition
 may put the members of one group on different ranks, so the advantages are computed here, on the full step
-that every rank holds, and travel inside the rollouts; no rank ever normalises over a partial group.
+that every rank holds, and travel inside the rollouts; no rank ever normalises over a partial group. With
+several optimizer steps per generation batch (:mod:`lightning_dta.core.generation`) the sources call these on the
+whole generation batch, before it is split: "the step" below is then the generation batch (a ``std_over="step"``
+std covers all of it, as TRL's, verl's and AReaL's do).
 
 Each estimator returns NEW :class:`~lightning_dta.Rollout` objects (``dataclasses.replace``) whose
 ``advantages`` is one float for the whole rollout; the input rollouts are left untouched, so a cached step

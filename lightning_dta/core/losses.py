@@ -53,8 +53,8 @@ LOG_RATIO_BOUND = 20.0
 # Names of the raw sums every engine accumulates; metrics are ratios of these, so sums from several trees,
 # micro-steps or ranks can be added before the ratios are taken.
 METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum", "entropy_sum", "ratio_sum",
-               "importance_weight_sum", "capped_tokens", "nonfinite_tokens", "value_sum", "value_error_sq_sum",
-               "value_clipped_tokens")
+               "ratio_deviation_sq_sum", "importance_weight_sum", "capped_tokens", "nonfinite_tokens", "value_sum",
+               "value_error_sq_sum", "value_clipped_tokens")
 
 
 def per_rollout_sum(values: torch.Tensor, owner: torch.Tensor, num_rollouts: int) -> torch.Tensor:
@@ -461,6 +461,8 @@ class PolicyLoss(StepAggregation):
             approx_kl = (torch.exp(behaviour_log_ratio) - 1.0 - behaviour_log_ratio).clamp_min(0.0)
             sums["approx_kl_sum"] += (approx_kl * mask).sum()
             sums["ratio_sum"] += (ratio.detach() * mask).sum()
+            # about 1, not about 0: summed squares of ratio - 1 keep a small spread that squares of the ratio lose
+            sums["ratio_deviation_sq_sum"] += ((ratio.detach() - 1.0).square() * mask).sum()
             sums["importance_weight_sum"] += (importance * mask).sum()
             sums["capped_tokens"] += (capped * mask).sum()
             sums["nonfinite_tokens"] += (~torch.isfinite(loss.detach()) * mask).sum()
@@ -525,6 +527,7 @@ def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
     pairs, plus the trained-token count."""
     sums = {key: float(value) for key, value in sums.items()}
     n = max(sums.get("trained_tokens", 0.0), 1.0)
+    ratio_offset = sums.get("ratio_sum", 0.0) / n - 1.0 if sums.get("trained_tokens", 0.0) else 0.0
     return {
         "trained_tokens": sums.get("trained_tokens", 0.0),
         "clip_fraction": sums.get("clipped_tokens", 0.0) / n,
@@ -532,6 +535,7 @@ def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
         "ref_kl": sums.get("ref_kl_sum", 0.0) / n,
         "entropy": sums.get("entropy_sum", 0.0) / n,
         "ratio_mean": sums.get("ratio_sum", 0.0) / n,
+        "ratio_std": math.sqrt(max(sums.get("ratio_deviation_sq_sum", 0.0) / n - ratio_offset ** 2, 0.0)),
         "importance_weight_mean": sums.get("importance_weight_sum", 0.0) / n,
         "capped_fraction": sums.get("capped_tokens", 0.0) / n,
         "nonfinite_tokens": sums.get("nonfinite_tokens", 0.0),

@@ -97,12 +97,10 @@ def shard(model: nn.Module, mesh, *, mp_policy: MixedPrecisionPolicy | None = No
 
 def _empty_like(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """A model of the same architecture: parameters on the meta device, buffers copied (real)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from lightning_dta.models import causal_lm_on_meta
 
     config = copy.deepcopy(model.config)  # never shared: the attention switch edits a config during a forward
-    with init_empty_weights(include_buffers=False):
-        empty = AutoModelForCausalLM.from_config(config, dtype=dtype or config.dtype)
+    empty = causal_lm_on_meta(config, dtype=dtype or config.dtype)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             module_name, _, buffer_name = name.rpartition(".")
@@ -150,6 +148,7 @@ def unsharded_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Mod
     dtype = dtype or next(model.parameters()).dtype
     empty = _empty_like(model, dtype)
     empty.to_empty(device=device)
+    empty.tie_weights()  # to_empty gives each module a new parameter: a tied head would be one of its own
     copy_weights(model, empty)
     return empty.requires_grad_(False)
 

@@ -23,7 +23,9 @@ included), and stop where it differs, instead of pairing the collectives inside 
 Resuming. ``state_dict`` records the epoch and how many of its steps were trained, and the source's own state;
 Lightning saves it in the checkpoint and a resumed run starts at the next step. Under a Trainer a step counts as
 trained when Lightning hands it to the training step (``on_before_batch_transfer``), so batches that Lightning
-prefetched but did not train are not counted; standalone, a step counts as soon as it is yielded.
+prefetched but did not train are not counted; standalone, a step counts as soon as it is yielded. The position
+counts optimizer steps, also when a generation batch feeds several (``generation``): a run stopped in the middle of
+one resumes at its next step, with the same advantages and split.
 
 Device transfer. The datamodule's ``transfer_batch_to_device`` hands a ``StepBatch`` over unchanged: the
 tree's token tensors stay in host memory, where the engine indexes them cheaply, and the engine moves each
@@ -51,6 +53,7 @@ from lightning_dta.contracts import ModelLimits, ParallelLayout, StepSource, par
 from lightning_dta.core.balance import CostCalibrator, CostModel, check_partition_method, partition, partition_report
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.errors import ConfigError
+from lightning_dta.core.generation import GenerationBatches
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.peers import check_peers_agree
@@ -107,12 +110,18 @@ class RolloutDataModule(L.LightningDataModule):
             lightning_dta.rl.OnlineRolloutSource`` with its ``init_args``; ``--data.source.help
             lightning_dta.rl.OnlineRolloutSource`` lists them), or in Python any iterable of steps (each a sequence
             of rollouts) or a callable returning one.
-        rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step.
+        rollouts_per_step: file sources only: consecutive chunks of this many rollouts form a step (with
+            ``generation``, ``steps_per_generation`` such chunks form a generation batch).
         advantage_estimator: ``None`` (keep the rollouts' advantages) or a name in ``ADVANTAGE_ESTIMATORS``
             (``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``), applied to each whole step, or ``"gae"``
             (the rewards pass through and ``DTAModule(critic=...)`` estimates advantages in the step).
         advantage_options: the estimator's keyword arguments, e.g. ``{std_unbiased: true, eps: 1.0e-4}`` for
             ``grpo`` (what ``PolicyLoss.from_trl`` and friends return as ``advantage_options``).
+        generation: file and iterable sources: :class:`~lightning_dta.core.generation.GenerationBatches`, how many
+            optimizer steps (``steps_per_generation``, ``epochs``) one generation batch feeds and how it is split.
+            A file's chunk (``rollouts_per_step * steps_per_generation`` rollouts) or an iterable's item is then a
+            generation batch, estimated whole and split into steps. The online source takes it itself (in YAML
+            ``data.source.init_args.generation``). Default: one step per generation batch.
         partition_method: ``"contiguous"`` (lexicographic cut, default) or ``"greedy"`` (whole trees, LPT).
         cost_model: the partition's :class:`~lightning_dta.core.balance.CostModel` (its start, when calibrated).
         calibrate_cost_model: fit the cost model to the run's measured DFS time of every rank, every step
@@ -121,7 +130,8 @@ class RolloutDataModule(L.LightningDataModule):
             depends on measured times, so the order in which rollouts' gradients are summed does too, and two runs
             (or a run and its resumption) agree to about 1e-7 instead of bitwise (``docs/lightning.md``).
         shuffle: file sources only: visit the steps in a random order, a new one each epoch.
-        seed: the shuffle seed; it must be the same on every rank (all ranks must agree on the step).
+        seed: the shuffle seed (and a shuffled ``generation.split``'s); it must be the same on every rank (all ranks
+            must agree on the step).
         max_steps_per_epoch: stop an epoch after this many steps (``None``: the whole file or source).
         vocab_size, max_positions: the model's limits, checked on every rollout at the boundary (default: taken
             from the model when training starts, see :meth:`connect_model`).
@@ -135,7 +145,8 @@ class RolloutDataModule(L.LightningDataModule):
                  calibrate_cost_model: bool = False,
                  shuffle: bool = False, seed: int = 0, max_steps_per_epoch: int | None = None,
                  vocab_size: int | None = None, max_positions: int | None = None, rank: int | None = None,
-                 world_size: int | None = None, advantage_options: dict[str, Any] | None = None) -> None:
+                 world_size: int | None = None, advantage_options: dict[str, Any] | None = None,
+                 generation: GenerationBatches | None = None) -> None:
         super().__init__()
         if (path is None) == (source is None):
             raise ConfigError("give exactly one of `path` (a JSONL rollout file) and `source` (an iterable of steps)")
@@ -150,20 +161,25 @@ class RolloutDataModule(L.LightningDataModule):
                              f"{advantage_estimator!r} and by the {type(source).__name__} itself "
                              f"({source.advantage_estimator!r}). Fix: set the estimator on the source only (in YAML "
                              "data.source.init_args.advantage_estimator) and leave data.advantage_estimator unset")
+        if isinstance(source, StepSource) and generation is not None:
+            raise ConfigError(f"data.generation is set, but the {type(source).__name__} makes its own generation "
+                              "batches. Fix: set it on the source (in YAML data.source.init_args.generation) and leave "
+                              "data.generation unset")
         # Plain values only: checkpoints are loaded with torch.load(weights_only=True), which refuses a Path.
         self.save_hyperparameters({
             "path": None if path is None else str(path), "rollouts_per_step": rollouts_per_step,
             "advantage_estimator": advantage_estimator, "advantage_options": advantage_options,
             "partition_method": partition_method,
             "calibrate_cost_model": calibrate_cost_model, "shuffle": shuffle, "seed": seed,
-            "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions})
+            "max_steps_per_epoch": max_steps_per_epoch, "vocab_size": vocab_size, "max_positions": max_positions,
+            "generation": None if generation is None else GenerationBatches.resolve(generation).to_dict()})
         if path is not None:
             self.source: StepSource = FileSteps(path, rollouts_per_step, advantage_estimator, shuffle, seed,
-                                                advantage_options)
+                                                advantage_options, generation)
         elif isinstance(source, StepSource):
             self.source = source
         else:
-            self.source = IterableSteps(source, advantage_estimator, advantage_options)
+            self.source = IterableSteps(source, advantage_estimator, advantage_options, generation, seed)
         self.partition_method = partition_method
         self.cost_model = cost_model or CostModel()
         self.calibrator = CostCalibrator() if calibrate_cost_model else None

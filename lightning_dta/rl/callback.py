@@ -48,7 +48,11 @@ class OnlineRLCallback(Callback):
     step), ``time/step_sec`` (end to end) - each the slowest rank's, with ``time/generation_sec_mean`` and
     ``rl/slowest_generation_rank`` / ``rl/slowest_train_rank`` beside them,
     ``rl/logical_tokens_per_sec`` (end to end), ``rl/policy_version`` and ``rl/staleness``. The progress bar shows
-    ``reward``.
+    ``reward``. With several steps per generation batch (the source's ``generation``) the ``rollout/*`` metrics,
+    the generation time and ``rl/policy_version`` describe the step's generation batch (``rl/staleness`` counts the
+    optimizer steps since it was generated: 0, 1, 2, ... over its steps); the step's own tree (its
+    compression), PPO's ``train/clip_fraction``, ``train/ratio_mean`` and ``train/ratio_std`` are the training
+    module's ``train/*``.
 
     Args:
         sft_warmup_steps: supervised steps on the environment's demonstrations before RL (0 = none); skipped
@@ -139,9 +143,10 @@ class OnlineRLCallback(Callback):
         info = self.source.last_step
         if info is None:
             raise RuntimeError("a step was trained but the rollout source handed none out")
-        if isinstance(batch, StepBatch) and batch.step_stats.logical_tokens != info.logical_tokens:
+        handed = self.source.last_step_logical_tokens
+        if isinstance(batch, StepBatch) and batch.step_stats.logical_tokens != handed:
             raise RuntimeError(f"the trained step has {batch.step_stats.logical_tokens} logical tokens but the "
-                               f"source's last step has {info.logical_tokens}: the metrics would describe another "
+                               f"source's last step has {handed}: the metrics would describe another "
                                "step (was a step prefetched?)")
         metrics = self._metrics(info, train_sec, now - info.requested_at, self.source.last_weight_sync_sec,
                                 trainer.strategy.root_device)

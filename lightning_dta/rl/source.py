@@ -21,6 +21,11 @@ One step on N ranks (every rank runs this; ``docs/rl.md`` has the diagram):
 3. :meth:`prepare_batch`: decoupled-PPO proximal (and reference) log-probs with the forward-only tree walk, on the
    rank that trains the rollouts only.
 
+Generation batches (``generation``, :mod:`lightning_dta.core.generation`): what is generated and estimated above is
+then a generation batch of ``steps_per_generation`` steps' prompts, split into its optimizer steps (whole prompts
+each, by default) after the advantages; step 3 runs per optimizer step. The batch's rollouts keep the log-probs of
+the policy that generated them, so the steps after the first are trained off policy by the optimizer steps between.
+
 Two rollout modes:
 
 - ``"sync"`` (default): a step is generated when the trainer asks for it, with the weights of the previous
@@ -44,6 +49,7 @@ Used with Lightning, :class:`~lightning_dta.rl.callback.OnlineRLCallback` calls 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -55,13 +61,14 @@ from lightning_dta.contracts import ModelLimits, ParallelLayout
 from lightning_dta.core.advantages import check_advantage_estimator
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.errors import ConfigError
+from lightning_dta.core.generation import GenerationBatches
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank
 from lightning_dta.distributed.peers import check_peers_agree
 from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
 from lightning_dta.engine import EngineOptions
-from lightning_dta.lightning.sources import validated_step
+from lightning_dta.lightning.sources import check_same_generation, validated_step
 from lightning_dta.rl.environment import Environment, run_episodes
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
@@ -81,18 +88,18 @@ class OnlineRolloutSource:
             parsed), or ``None``: the environment's ``default_tokenizer()``.
         prompts_per_step, samples_per_prompt: a step has ``prompts_per_step`` GRPO groups of
             ``samples_per_prompt`` episodes.
-        steps_per_epoch: the length of one epoch (the data module's epoch; training length is the Trainer's
-            ``max_steps``).
+        steps_per_epoch: the length of one epoch in optimizer steps (the data module's epoch; training length is
+            the Trainer's ``max_steps``; a generation batch may straddle two epochs).
         rollout_mode: ``"sync"`` or ``"async"``.
         max_staleness: async only: the optimizer steps between the weights that generate a step and the weights
             that train on it (0 = generate each step with the latest weights, in the background).
         placement: ``"colocated"`` (every rank generates its blocks) or ``"disaggregated"`` (rank 0 generates the
             whole step, e.g. through a server, and broadcasts it); ``None``: the generator's own ``placement``.
-        generation_blocks: colocated: the step's prompts are cut into this many blocks of consecutive prompts,
-            one ``generate`` batch each, and rank ``r`` generates blocks ``r, r + N, ...``. ``None``: one block per
-            rank. A fixed number makes every block the same computation on any number of ranks, so runs on 1, 2
-            or 8 ranks generate bitwise the same rollouts; ``None`` keeps the sampling seeds but lets batch sizes,
-            hence float rounding, follow the number of ranks.
+        generation_blocks: colocated: the generation batch's prompts are cut into this many blocks of consecutive
+            prompts, one ``generate`` batch each, and rank ``r`` generates blocks ``r, r + N, ...``. ``None``: one
+            block per rank. A fixed number makes every block the same computation on any number of ranks, so runs
+            on 1, 2 or 8 ranks generate bitwise the same rollouts; ``None`` keeps the sampling seeds but lets batch
+            sizes, hence float rounding, follow the number of ranks.
         advantage_estimator: ``"grpo"``, ``"grpo-no-std"``, ``"reinforce-baseline"``, ``"gae"`` or ``None``. The
             first three are estimated per *episode* (one reward per episode, its group = its prompt) over the whole
             step and given to each of its calls, so an episode with more calls does not weigh more in its group's
@@ -105,10 +112,17 @@ class OnlineRolloutSource:
             keeps plain PPO against the behaviour log-probs.
         ref_logprobs: compute ``ref_logprobs`` with a frozen copy of the policy taken at :meth:`attach` (after
             any warm start), for ``kl_coef > 0``.
-        seed: prompts and sampling: step ``i`` uses prompt indices ``[i * prompts_per_step, ...)`` and seeds
-            derived from ``(seed, i)``.
+        seed: prompts and sampling: generation batch ``i`` uses prompt indices ``[i * prompts_per_step *
+            steps_per_generation, ...)`` and seeds derived from ``(seed, i)``; a shuffled split is drawn from them too.
         add_bos: start every context with the tokenizer's BOS token.
         max_context: the model's maximum positions (default: the policy config's ``max_position_embeddings``).
+        generation: :class:`~lightning_dta.core.generation.GenerationBatches`: one generation batch of
+            ``prompts_per_step * steps_per_generation`` prompts, generated with one version of the weights, its
+            advantages estimated over all of it, feeds ``steps_per_generation * epochs`` optimizer steps (the
+            default split: whole prompts, with every call of their episodes, ``prompts_per_step`` each when every
+            prompt has as many calls; otherwise cut where the steps' calls come closest to equal). The rollouts
+            keep the generating policy's log-probs as ``old_logprobs``, so from the second step on the PPO ratio
+            departs from 1 and the clip binds. Sync mode only, for now. Default: one step per generation batch.
 
     The forward-only walks (``prox``/``ref`` log-probs) use the :class:`~lightning_dta.EngineOptions` given to
     :meth:`attach`: the training module's, so one engine block in a config serves every engine call of a step.
@@ -121,7 +135,10 @@ class OnlineRolloutSource:
                  advantage_estimator: str | None = "grpo", decoupled: bool = True,
                  ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None,
-                 advantage_options: dict[str, Any] | None = None) -> None:
+                 advantage_options: dict[str, Any] | None = None,
+                 generation: GenerationBatches | None = None) -> None:
+        generation = GenerationBatches.resolve(generation)
+        generation.check_estimator(advantage_estimator)
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):
@@ -130,9 +147,14 @@ class OnlineRolloutSource:
                             ("steps_per_epoch", steps_per_epoch)):
             if value < 1:
                 raise ConfigError(f"{name}={value} must be >= 1")
-        if generation_blocks is not None and not 1 <= generation_blocks <= prompts_per_step:
-            raise ConfigError(f"generation_blocks={generation_blocks} must be between 1 and prompts_per_step="
-                             f"{prompts_per_step} (or None: one block per rank)")
+        prompts_per_generation = prompts_per_step * generation.steps_per_generation
+        if generation_blocks is not None and not 1 <= generation_blocks <= prompts_per_generation:
+            raise ConfigError(f"generation_blocks={generation_blocks} must be between 1 and the generation batch's "
+                             f"{prompts_per_generation} prompts (or None: one block per rank)")
+        if rollout_mode == "async" and not generation.is_default:
+            raise ConfigError(f"rollout_mode='async' with generation={generation}: several optimizer steps per "
+                              "generation batch are supported in sync mode only, for now. Fix: rollout_mode: sync, "
+                              "or generation.steps_per_generation: 1 and generation.epochs: 1")
         if max_staleness < 0:
             raise ConfigError(f"max_staleness={max_staleness} must be >= 0")
         check_advantage_estimator(advantage_estimator, advantage_options)
@@ -147,6 +169,7 @@ class OnlineRolloutSource:
         self.tokenizer: PreTrainedTokenizerBase | None = tokenizer if isinstance(tokenizer,
                                                                                   PreTrainedTokenizerBase) else None
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+        self.generation, self.prompts_per_generation = generation, prompts_per_generation
         self.steps_per_epoch = steps_per_epoch
         self.rollout_mode, self.max_staleness = rollout_mode, max_staleness
         self.placement: Placement = placement or self.generator.placement
@@ -157,11 +180,14 @@ class OnlineRolloutSource:
         self.policy: nn.Module | None = None
         self.ref_model: nn.Module | None = None
         self.engine = EngineOptions()  # the forward-only walks' options (attach() takes the trainer's)
-        self.last_step: StepInfo | None = None
+        self.last_step: StepInfo | None = None  # the last generation batch (by default: the last step)
+        self.last_step_logical_tokens = 0  # the last optimizer step handed out (a part of last_step's batch)
         self.history: list[StepInfo] = []  # every step handed out, in order
         self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
-        self._next_index = 0  # the next step to hand out
+        self._next_index = 0  # the next generation batch to generate
+        self._steps_left: list[list[Rollout]] = []  # the current generation batch's steps not handed out yet
+        self._batch_info: StepInfo | None = None  # the current generation batch's statistics
         self._rank, self._world_size = 0, 1  # among the data-parallel ranks (attach() reads the layout)
         self._global_rank = 0
         self._group = None  # the data-parallel group the colocated blocks are gathered over
@@ -180,10 +206,32 @@ class OnlineRolloutSource:
         """The rest of the current epoch: whole steps (advantages set; :meth:`prepare_batch` adds the log-probs
         on each rank's share), generated (or taken from the background thread) on demand. The source keeps its own
         position (:meth:`state_dict`), so a resumed run continues where it stopped and ``start`` adds nothing."""
-        end = (self._next_index // self.steps_per_epoch + 1) * self.steps_per_epoch
-        while self._next_index < end:
-            label = f"step {self._next_index} of the online source"
-            yield label, validated_step(self.next_rollouts(), label, limits)
+        handed = self._next_index * self.generation.steps_per_batch - len(self._steps_left)
+        for _ in range(handed, (handed // self.steps_per_epoch + 1) * self.steps_per_epoch):
+            label, rollouts = self._take_step()
+            yield label, validated_step(rollouts, label, limits)
+
+    def _take_step(self) -> tuple[str, list[Rollout]]:
+        """The next optimizer step: the current generation batch's next one, generating a new batch when none is
+        left (its advantages over the whole batch, then its split)."""
+        if not self._steps_left:
+            batch = self.next_rollouts()
+            index = self._next_index - 1
+            label = f"generation batch {index} of the online source"
+            self._steps_left = self.generation.split_batch(batch, self.seed, index, label)
+            self._batch_info = self.last_step
+        elif self._batch_info is not None:  # a later step of the batch: the batch's content, this step's times and
+            # version (its staleness counts the optimizer steps since the batch was generated)
+            self.last_step = dataclasses.replace(self._batch_info, trained_version=self._version, generation_sec=0.0,
+                                                 wait_sec=0.0, prepare_sec=0.0, requested_at=time.perf_counter())
+        each = self.generation.steps_per_batch
+        position = each - len(self._steps_left)
+        index = self._next_index - 1
+        label = f"step {index} of the online source" if each == 1 else \
+            f"step {position} of generation batch {index} of the online source"
+        step = self._steps_left.pop(0)
+        self.last_step_logical_tokens = sum(len(rollout.input_ids) for rollout in step)
+        return label, step
 
     def prepare_batch(self, batch: StepBatch) -> None:
         """Complete this rank's share of the step: proximal and reference log-probs on its tree only. Every rank
@@ -191,8 +239,13 @@ class OnlineRolloutSource:
         self.prepare(batch.tree)
 
     def state_dict(self) -> dict[str, Any]:
-        """The next step to hand out (a resumed run continues there, with the same prompts and seeds)."""
-        return {"next_index": self._next_index, "seed": self.seed, "prompts_per_step": self.prompts_per_step}
+        """The next generation batch (a resumed run continues there, with the same prompts and seeds), and the steps
+        of the current one not trained yet: stopped in the middle of a generation batch, the run resumes at its
+        next step with the same rollouts, advantages and split (the weights that generated them are gone)."""
+        return {"next_index": self._next_index, "seed": self.seed, "prompts_per_step": self.prompts_per_step,
+                "generation": self.generation.to_dict(),
+                "steps_left": [[rollout.to_dict() for rollout in step] for step in self._steps_left],
+                "batch_info": dataclasses.asdict(self._batch_info) if self._steps_left and self._batch_info else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._producer is not None:
@@ -202,7 +255,11 @@ class OnlineRolloutSource:
                              f"{state.get('prompts_per_step')}, this one has seed={self.seed} and prompts_per_step="
                              f"{self.prompts_per_step}: the resumed run would draw other prompts. Fix: resume with "
                              "the same source settings")
+        check_same_generation(state, self.generation)
         self._next_index = int(state["next_index"])
+        self._steps_left = [[Rollout.from_dict(data) for data in step] for step in state.get("steps_left", [])]
+        info = state.get("batch_info")
+        self._batch_info = None if info is None else StepInfo(**info)
 
     # ------------------------------------------------------------------ the training loop's side
 
@@ -332,14 +389,15 @@ class OnlineRolloutSource:
 
     def next_step(self) -> list[Rollout]:
         """The next whole step, ready to train (advantages and, in async mode, prox log-probs set): what a plain
-        training loop takes. (The data module takes :meth:`next_rollouts` and prepares each rank's share.)"""
-        rollouts = self.next_rollouts()
+        training loop takes. (The data module takes :meth:`steps` and prepares each rank's share.)"""
+        _, rollouts = self._take_step()
         self.prepare(PrefixTree.from_rollouts(rollouts, validate=False))
         return rollouts
 
     def next_rollouts(self) -> list[Rollout]:
-        """The next step's rollouts on every rank, with advantages over the whole step (no proximal or reference
-        log-probs yet: :meth:`prepare` adds them). Every rank must call it for every step (it gathers)."""
+        """The next generation batch's rollouts on every rank, with advantages over the whole batch, not split (no
+        proximal or reference log-probs yet: :meth:`prepare` adds them). Every rank must call it for every
+        generation batch (it gathers)."""
         if self.policy is None:
             raise RuntimeError("OnlineRolloutSource has no policy: it must be attached to the model being trained "
                                "before the first step. With Lightning add lightning_dta.rl.OnlineRLCallback to the "
@@ -407,16 +465,17 @@ class OnlineRolloutSource:
 
     def _blocks(self) -> list[range]:
         """This rank's blocks of the step's prompt positions (module docstring)."""
+        prompts = self.prompts_per_generation
         if self.placement == "disaggregated":
-            return [range(self.prompts_per_step)]
-        count = self.generation_blocks or min(self._world_size, self.prompts_per_step)
-        edges = [b * self.prompts_per_step // count for b in range(count + 1)]
+            return [range(prompts)]
+        count = self.generation_blocks or min(self._world_size, prompts)
+        edges = [b * prompts // count for b in range(count + 1)]
         return [range(edges[b], edges[b + 1]) for b in range(self._rank, count, self._world_size)]
 
     def _generate(self, index: int, version: int) -> Generated:
         """Generate this rank's share of step ``index`` (an empty list when it has no block)."""
         start = time.perf_counter()
-        first = index * self.prompts_per_step
+        first = index * self.prompts_per_generation
         episodes = []
         for block in self._blocks():
             episodes += run_episodes(self.env, self.generator, self.tokenizer, [first + p for p in block],

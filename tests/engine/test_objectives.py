@@ -159,6 +159,20 @@ def test_gspo_ratio_is_the_rollouts_geometric_mean_under_the_current_weights(mod
     assert_grads_close(g_gspo, g_pg, RTOL64, what="gspo at ratio 1 vs policy gradient")
 
 
+def test_the_ratio_metrics_are_its_mean_and_spread_over_the_trained_pairs(models):
+    """``ratio_mean`` and ``ratio_std`` (population) of exp(logp - prox) over every trained (token, rollout) pair,
+    from the definition with the model's own log-probs (float64)."""
+    model = models["llama"]
+    rollouts = near_policy_rollouts(model, seed=5)
+    current = dta.tree_logprobs(model, dta.PrefixTree.from_rollouts(rollouts))
+    ratios = torch.cat([torch.exp(logp.double() - torch.tensor(r.prox_logprobs[1:], dtype=torch.float64))[
+        torch.tensor(r.loss_mask[1:]) > 0] for r, logp in zip(rollouts, current)])
+    out, _ = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), dta.PolicyLoss(clip_eps=0.2))
+    assert out.metrics["ratio_mean"] == pytest.approx(float(ratios.mean()), rel=1e-9)
+    assert out.metrics["ratio_std"] == pytest.approx(float(ratios.std(unbiased=False)), rel=1e-9)
+    assert out.metrics["ratio_std"] > 0.1  # noise of 0.25 nats: the spread is far from rounding
+
+
 def test_the_counting_options_act_on_this_data(models):
     """The switches the matrix checks change the loss on its data, so the matrix would catch them ignored: the
     untrained rollout in the mean, the entropy's own aggregation, the ratio-weighted KL, k3+ vs low_var_kl vs k3."""

@@ -1,0 +1,142 @@
+"""Generation batches on the online source: one generation feeds several steps of whole prompts (multi-turn episodes
+whole), advantages over the whole generation batch, a mid-batch resume with the same steps, and PPO's ratio and clip
+at work from the second step of a batch on."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_dta as dta
+from lightning_dta.core.errors import ConfigError
+from lightning_dta.core.generation import GenerationBatches
+from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.rl import HFGenerator, OnlineRLCallback, OnlineRolloutSource, ReverseDigits
+from tests.helpers.rl import ScriptedGenerator, tiny_policy
+from tests.rl.test_source import TwoTurnEnv
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
+
+EPS = 1e-6  # grpo's default
+
+
+def two_turn_source(**kwargs) -> OnlineRolloutSource:
+    """Two prompts x two samples per step; sample ``s`` of a prompt makes one or two calls (``TwoTurnEnv``)."""
+    return OnlineRolloutSource(TwoTurnEnv(), ScriptedGenerator([[5, 2], [6, 7, 2]]), prompts_per_step=2,
+                               samples_per_prompt=2, advantage_options={"std_over": "step"},
+                               generation=GenerationBatches(steps_per_generation=2), **kwargs)
+
+
+def test_one_generation_feeds_steps_of_whole_prompts_with_advantages_over_the_batch() -> None:
+    src = two_turn_source()
+    src.attach(tiny_policy())
+    steps = [src.next_step(), src.next_step()]
+    assert len(src.history) == 1  # generated once, for both steps
+    info = src.last_step
+    assert len(info.rewards) == 8  # 4 prompts x 2 episodes: the generation batch
+    assert [sorted({r.group_id for r in step}) for step in steps] == [[0, 1], [2, 3]]  # whole prompts, in order
+    # the definition, over the batch's 8 episodes (TwoTurnEnv: prompt p's episodes end with reward p + turns):
+    # each episode's reward minus its prompt's mean, over the population std of all 8 rewards plus eps
+    rewards, groups = info.rewards, [p for p in range(4) for _ in range(2)]
+    mean = math.fsum(rewards) / 8
+    std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / 8)
+    expected = {p: sorted({(r - math.fsum(rewards[2 * p:2 * p + 2]) / 2) / (std + EPS)
+                           for r, g in zip(rewards, groups) if g == p}) for p in range(4)}
+    got = {p: sorted({r.advantages for step in steps for r in step if r.group_id == p}) for p in range(4)}
+    assert got.keys() == expected.keys()
+    for p in range(4):
+        assert got[p] == pytest.approx(expected[p], rel=1e-12, abs=1e-12)
+    assert any(r.advantages != 0 for step in steps for r in step)
+    src.next_step()
+    assert len(src.history) == 2 and src.last_step.index == 1  # the third step opens the next generation batch
+
+
+def test_a_source_resumed_in_the_middle_of_a_generation_batch_hands_out_its_next_step(tmp_path) -> None:
+    src = two_turn_source()
+    src.attach(tiny_policy())
+    src.next_step()
+    path = tmp_path / "state.pt"
+    torch.save(src.state_dict(), path)  # the way Lightning checkpoints it, read back as Lightning does
+    second = src.next_step()
+    resumed = two_turn_source()
+    resumed.load_state_dict(torch.load(path, weights_only=True))
+    resumed.attach(tiny_policy())
+    assert [r.to_dict() for r in resumed.next_step()] == [r.to_dict() for r in second]
+    assert resumed.generator.calls == [] and resumed.history == []  # the step came from the checkpoint
+    assert resumed.last_step.rewards == src.last_step.rewards  # and the batch's statistics, for the metrics
+    with pytest.raises(ConfigError, match="generation .*Fix: "):
+        OnlineRolloutSource(TwoTurnEnv(), ScriptedGenerator([[5, 2]]), prompts_per_step=2,
+                            samples_per_prompt=2).load_state_dict(src.state_dict())
+
+
+def test_settings_that_do_not_fit_are_refused() -> None:
+    with pytest.raises(ConfigError, match="sync mode only.*Fix: "):
+        two_turn_source(rollout_mode="async")
+    with pytest.raises(ConfigError, match="data.generation.*Fix: "):
+        RolloutDataModule(source=two_turn_source(), generation=GenerationBatches(steps_per_generation=2))
+
+
+class Metrics(Callback):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.steps.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train/")})
+
+
+def test_from_the_second_step_of_a_generation_batch_the_ratio_departs_from_1_and_the_clip_binds(tmp_path) -> None:
+    """Sync, 4 steps per generation batch, the rollouts' behaviour log-probs recorded by the generator: step 1
+    trains the generating weights (ratio 1 up to the generator's float32 rounding, nothing clipped); steps 2-4 train
+    weights the optimizer has moved, against the same behaviour log-probs, and the clip binds."""
+    source = OnlineRolloutSource(ReverseDigits(), HFGenerator(max_new_tokens=6), prompts_per_step=2,
+                                 samples_per_prompt=4, generation=GenerationBatches(steps_per_generation=4))
+    module = dta.DTAModule(tiny_policy(scale=3.0), optimizer=functools.partial(torch.optim.Adam, lr=0.05),
+                           loss=dta.PolicyLoss(clip_eps=0.2))
+    metrics, online = Metrics(), OnlineRLCallback(print_every_n_steps=0, reward_plot=None)
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path, callbacks=[online, metrics])
+    trainer.fit(module, RolloutDataModule(source=source))
+    assert len(source.history) == 1  # one generation batch fed the four steps
+    assert [h["rl/staleness"] for h in online.history] == [0, 1, 2, 3]
+    assert [h["rl/policy_version"] for h in online.history] == [0, 0, 0, 0]
+    first, *later = metrics.steps
+    assert first["train/clip_fraction"] == 0.0
+    assert first["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5) and first["train/ratio_std"] < 1e-5
+    for step in later:
+        assert step["train/clip_fraction"] > 0.0
+        assert abs(step["train/ratio_mean"] - 1.0) > 1e-3 and step["train/ratio_std"] > 1e-2
+
+
+def _online_run(tmp_path, max_steps: int, ckpt=None, save=None) -> dict:
+    """Sync, 4 steps per generation batch, AdamW, strategy "dta"."""
+    source = OnlineRolloutSource(ReverseDigits(), HFGenerator(max_new_tokens=6), prompts_per_step=2,
+                                 samples_per_prompt=4, generation=GenerationBatches(steps_per_generation=4))
+    module = dta.DTAModule(tiny_policy(scale=3.0), optimizer=functools.partial(torch.optim.AdamW, lr=0.01),
+                           loss=dta.PolicyLoss(clip_eps=0.2))
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=tmp_path,
+                        callbacks=[OnlineRLCallback(print_every_n_steps=0, reward_plot=None)])
+    trainer.fit(module, RolloutDataModule(source=source), ckpt_path=ckpt)
+    if save is not None:
+        trainer.save_checkpoint(save)
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def test_an_online_run_resumed_in_the_middle_of_a_generation_batch_is_bitwise_the_uninterrupted_one(tmp_path):
+    """Stopped after step 2 of 4: the resumed run trains steps 3 and 4 of the same generation batch (its rollouts,
+    advantages and behaviour log-probs from the checkpoint: the weights that generated them are gone) and ends on
+    the uninterrupted run's weights, bit for bit."""
+    uninterrupted = _online_run(tmp_path / "a", 4)
+    ckpt = tmp_path / "step2.ckpt"
+    after_two = _online_run(tmp_path / "b", 2, save=ckpt)
+    resumed = _online_run(tmp_path / "c", 4, ckpt=ckpt)
+    assert any(not torch.equal(after_two[n], uninterrupted[n]) for n in uninterrupted)
+    for name, weight in uninterrupted.items():
+        torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
