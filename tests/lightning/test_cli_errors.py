@@ -236,3 +236,33 @@ def test_a_refused_model_is_refused_before_anything_runs_and_its_fix_runs(tmp_pa
     assert fix == "--model.engine.mode=vanilla", err
     assert cli.main([*argv, fix]) == 0, capsys.readouterr().err[-3000:]
     assert "SFT warm start: 2 steps" in capsys.readouterr().out
+
+
+def applied(argv: list[str], err: str) -> list[str]:
+    """``argv`` with the refusal's "did you mean X?" applied where the user wrote the mistake: the option or value
+    on the command line, or the key in the --config file."""
+    what = err.removeprefix("lightning-dta fit: error: ").split()[0].rstrip(":")
+    (right,) = re.findall(r"did you mean (\S+)\?", err)
+    if "=" in what:  # a value: KEY='VALUE'
+        key, value = what.split("=", 1)
+        return [f"--{key}={right}" if a == f"--{key}={value.strip(chr(39))}" else a for a in argv]
+    if what.startswith("--") or ".init_args." in what:  # an option of the command line
+        return [a.replace(what.lstrip("-"), right.lstrip("-"), 1) for a in argv]
+    config = Path(argv[argv.index("--config") + 1])  # a key of the --config file
+    config.write_text(config.read_text().replace(f"{what.rpartition('.')[2]}:", f"{right.rpartition('.')[2]}:"))
+    return argv
+
+
+FIXABLE = [c for c in PARSE_CASES if c[0].startswith("fit") and any("did you mean" in n for n in c[2])]
+
+
+@pytest.mark.parametrize("case", FIXABLE, ids=[c[0] for c in FIXABLE])
+def test_the_fix_of_every_refused_fit_setting_parses(case, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 32: the fix a refusal names, applied, is a config the parser takes (checked with --print_config)."""
+    _, argv, _ = case
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    assert cli.main(argv) == 2
+    fixed = applied(argv, capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*fixed, "--print_config"])
+    assert exit_info.value.code in (0, None), capsys.readouterr().err
