@@ -5,7 +5,9 @@ jsonargparse (and argparse) answer a wrong key, a value outside a choice or a mi
 instead, and its refusal becomes a :class:`~lightning_dta.core.errors.ConfigError` here, which ``lightning-dta``
 prints as one line and exit status 2 (:mod:`lightning_dta.cli`); the usage is shown only by ``--help``. The fix
 is the nearest valid key ("did you mean --model.loss.clip_eps?") or the allowed values, written the way the user
-wrote the setting: ``--key`` on the command line, ``key`` in a YAML file.
+wrote the setting: ``--key`` on the command line, ``key`` in a YAML file. For the same reason the engine's
+refusals, written for Python (``Fix: mode='vanilla'``), reach a ``fit`` user as the option to type
+(:func:`engine_flags`: ``--model.engine.mode=vanilla``).
 """
 
 from __future__ import annotations
