@@ -16,6 +16,7 @@ too, for debugging.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 
 from jsonargparse import ArgumentParser
 
+from lightning_dta.arguments import engine_flags
 from lightning_dta.core.errors import UsageError
 from lightning_dta.distributed.faults import stopping
 from lightning_dta.engine.options import EngineOptions
@@ -38,7 +40,7 @@ TRACEBACK = "LIGHTNING_DTA_TRACEBACK"
 USAGE = """usage: lightning-dta [--traceback] {fit,plan,bench,export,convert} ...
 
   fit      train a DTAModule on a RolloutDataModule (LightningCLI: --config FILE, --model.*, --data.*,
-           --trainer.*; the engine: --model.engine.*); lightning-dta fit --help
+           --trainer.*; the engine: --model.engine.*); lightning-dta fit --help (--help-all: every option)
   plan     predict a step's memory and FLOPs per mode, and the engine options that fit --memory
            (the engine: --engine.*); lightning-dta plan --help
   bench    every training mode side by side on the same model and rollouts (the engine: --engine.*);
@@ -100,6 +102,12 @@ def _run(args: list[str], argv: Sequence[str] | None) -> int:
         print(usage(), end="")
         return 0 if args else 2
     verb = args[0] if args[0] in COMMANDS else "fit"
+    if not args[0].startswith("-") and args[0] not in (*COMMANDS, "fit"):
+        verbs = ["fit", *COMMANDS]
+        close = difflib.get_close_matches(args[0], verbs, n=1)
+        print(f"lightning-dta: error: {args[0]!r} is not a verb. Fix: "
+              f"{f'did you mean {close[0]}? ' if close else ''}one of {', '.join(verbs)}", file=sys.stderr)
+        return 2
     try:
         if verb in COMMANDS:
             return importlib.import_module(COMMANDS[verb]).main(args[1:]) or 0
@@ -114,7 +122,10 @@ def _run(args: list[str], argv: Sequence[str] | None) -> int:
             raise
         if os.environ.get(TRACEBACK) == "1":
             traceback.print_exc()
-        print(f"lightning-dta {verb}: {describe(error, status)}", file=sys.stderr, flush=True)
+        message = describe(error, status)
+        if verb == "fit":  # the engine's fixes as the options of the command
+            message = engine_flags(message, "--model.engine.")
+        print(f"lightning-dta {verb}: {message}", file=sys.stderr, flush=True)
         return status
 
 

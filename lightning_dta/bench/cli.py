@@ -9,18 +9,22 @@ gradient error against the per-rollout baseline so that a fast but wrong mode sh
 from __future__ import annotations
 
 import datetime
+import inspect
 import platform
 import sys
+from argparse import Action
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from jsonargparse import ArgumentParser, Namespace
+from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 
+from lightning_dta.arguments import parse_args
 from lightning_dta.bench import report
 from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench, skip_reason
 from lightning_dta.bench.work import BenchWork, bench_flops
 from lightning_dta.cli import add_engine_options
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
 from lightning_dta.plan.flops import ModelShape
@@ -32,6 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _pair(text: str | tuple[int, int]) -> tuple[int, int]:
+    """MIN,MAX"""
     if isinstance(text, tuple):  # jsonargparse checks the parsed value with the type again
         return text
     low, _, high = text.partition(",")
@@ -39,13 +44,25 @@ def _pair(text: str | tuple[int, int]) -> tuple[int, int]:
 
 
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    """comma-separated ints"""
     if isinstance(text, tuple):
         return text
     return tuple(int(x) for x in text.split(",") if x)
 
 
+class _HelpFormatter(DefaultHelpFormatter):
+    """jsonargparse's help, with a converter function's type named by its docstring (``MIN,MAX``), not by the
+    function's repr (``<function _pair at 0x...>``)."""
+
+    def _get_type_str(self, action: Action) -> str | None:
+        if inspect.isfunction(action.type):
+            return action.type.__doc__
+        return super()._get_type_str(action)
+
+
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-dta bench", description=__doc__, default_meta=False)
+    parser = ArgumentParser(prog="lightning-dta bench", description=__doc__, default_meta=False, exit_on_error=False,
+                            formatter_class=_HelpFormatter)
     what = parser.add_argument_group("what to run")
     what.add_argument("--workloads", default="grpo,agent,tree-search",
                       help="comma-separated: grpo, agent, tree-search (a --rollouts-file adds 'file')")
@@ -75,7 +92,7 @@ def build_parser() -> ArgumentParser:
     model.add_argument("--kv-heads", default=None, type=int, help="key/value heads (default: --heads)")
     model.add_argument("--intermediate", default=None, type=int, help="MLP width (default 8/3 x hidden)")
     model.add_argument("--vocab", default=2048, type=int,
-                       help="vocabulary; 2048 puts the LM head at ~17%% of the body's FLOPs, as in 2-8B models")
+                       help="vocabulary; 2048 puts the LM head at ~17% of the body's FLOPs, as in 2-8B models")
     model.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="parameter dtype")
     model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     model.add_argument("--attn", default="sdpa", help="attn_implementation (sdpa, eager, flash_attention_2)")
@@ -86,12 +103,12 @@ def build_parser() -> ArgumentParser:
     sizes = parser.add_argument_group("workload sizes")
     sizes.add_argument("--grpo-prompts", default=2, type=int, help="GRPO groups (prompts) per step")
     sizes.add_argument("--grpo-group", default=8, type=int, help="responses per prompt")
-    sizes.add_argument("--grpo-prompt-len", default=(380, 420), type=_pair, help="min,max")
-    sizes.add_argument("--grpo-response-len", default=(64, 192), type=_pair, help="min,max")
+    sizes.add_argument("--grpo-prompt-len", default=(380, 420), type=_pair, help="prompt tokens")
+    sizes.add_argument("--grpo-response-len", default=(64, 192), type=_pair, help="response tokens")
     sizes.add_argument("--agent-episodes", default=2, type=int, help="agent episodes per step")
     sizes.add_argument("--agent-turns", default=5, type=int, help="LLM calls per episode")
     sizes.add_argument("--agent-system-len", default=1024, type=int, help="system prompt tokens")
-    sizes.add_argument("--agent-thinking-len", default=(60, 200), type=_pair, help="min,max")
+    sizes.add_argument("--agent-thinking-len", default=(60, 200), type=_pair, help="thinking tokens per turn")
     sizes.add_argument("--tree-prompt-len", default=256, type=int, help="tree-search prompt tokens")
     sizes.add_argument("--tree-branching", default=(3, 3, 2), type=_ints, help="children per level")
     out = parser.add_argument_group("output")
@@ -115,7 +132,8 @@ def _workloads(args: Namespace) -> dict[str, object]:
     chosen = {}
     for name in [w for w in args.workloads.split(",") if w]:
         if name not in available:
-            raise SystemExit(f"unknown workload {name!r}; choose from {sorted(available)}")
+            raise ConfigError(f"--workloads: unknown workload {name!r}. Fix: a comma-separated list from "
+                              f"{', '.join(sorted(available))}")
         chosen[name] = available[name]
     if args.rollouts_file:
         chosen["file"] = FileWorkload(args.rollouts_file)
@@ -138,7 +156,7 @@ def estimate(argv: Sequence[str]) -> tuple[BenchWork, object]:
     """The FLOPs that ``lightning-dta bench ARGV`` will compute (:mod:`~lightning_dta.bench.work`) and the model's
     config, without building the model or running anything."""
     parser = build_parser()
-    args = parser.parse_args(list(argv))
+    args = parse_args(parser, list(argv), "bench")
     config = model_config(**_shape(args), attn_implementation=args.attn)
     modes, _ = _modes(args, parser.instantiate(args).engine)
     device = torch.device(args.device)
@@ -159,24 +177,25 @@ def _modes(args: Namespace, engine: EngineOptions) -> tuple[dict[str, ModeSpec],
     wanted = {"vanilla", *[m for m in args.modes.split(",") if m]}
     unknown = wanted - set(all_modes)
     if unknown:
-        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {sorted(all_modes)}")
+        raise ConfigError(f"--modes: unknown mode{'s' if len(unknown) > 1 else ''} {', '.join(sorted(unknown))}. "
+                          f"Fix: a comma-separated list from {', '.join(sorted(all_modes))}")
     if args.profile and args.profile not in all_modes:
-        raise SystemExit(f"--profile {args.profile!r}: choose from {sorted(all_modes)}")
+        raise ConfigError(f"--profile {args.profile!r} is not a mode. Fix: one of {', '.join(sorted(all_modes))}")
     chosen = {name: spec for name, spec in all_modes.items() if name in wanted}
     return chosen, all_modes[args.profile] if args.profile else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, "bench")
     engine = parser.instantiate(args).engine
     if args.threads:
         torch.set_num_threads(args.threads)
     from tqdm import tqdm
 
-    model = _model(args)
-    modes, profiled = _modes(args, engine)
+    modes, profiled = _modes(args, engine)  # the settings are checked before the model is built
     workloads = _workloads(args)
+    model = _model(args)
     total = (len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
              + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
     bar = tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr)

@@ -36,7 +36,9 @@ class RolloutError(UsageError, ValueError):
         return RolloutError(self.index, self.field, self.problem, self.fix, location)
 
     def describe(self) -> str:
-        where = f"rollout {self.index}" if self.index is not None else "rollout"
+        # "index", counted from 0 as the list of rollouts is: beside a file's line (counted from 1) a bare number
+        # would read as another count of the same thing
+        where = f"rollout index {self.index}" if self.index is not None else "rollout"
         at = f"{self.location}: " if self.location else ""
         return f"{at}{where}, field '{self.field}': {self.problem}. Fix: {self.fix}"
 

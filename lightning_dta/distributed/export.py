@@ -21,7 +21,6 @@ files of an earlier export that this one did not write (``from_pretrained`` woul
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -214,11 +213,15 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, force: bool =
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-dta export", description=__doc__.splitlines()[0])
+    from jsonargparse import ArgumentParser
+
+    from lightning_dta.arguments import parse_args
+
+    parser = ArgumentParser(prog="lightning-dta export", description=__doc__.splitlines()[0], exit_on_error=False)
     parser.add_argument("checkpoint", help="a .ckpt file (strategy dta) or a sharded checkpoint folder (dta_fsdp)")
     parser.add_argument("out_dir", help="the Hugging Face model directory to write (new or empty)")
     parser.add_argument("--force", action="store_true", help="write into an existing directory, or over a file")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, "export")
     out = export_checkpoint(args.checkpoint, args.out_dir, force=args.force)
     print(f"wrote {out} and read it back (load it with AutoModelForCausalLM.from_pretrained; copy the tokenizer from "
           "the base model)")

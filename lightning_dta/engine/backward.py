@@ -60,7 +60,7 @@ def _check_supported(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine
         raise ModelNotSupportedError(
             f"mode='mask' builds one tree mask for every layer and does not apply the model's sliding window "
             f"({window} tokens), which the longest rollout ({tree.stats.max_depth_tokens} tokens) exceeds. "
-            "Fix: use mode='dfs' (exact with sliding windows: the model masks the cache itself) or 'vanilla'.")
+            "Fix: use mode='dfs' (exact with sliding windows: the model masks the cache itself) or mode='vanilla'.")
 
 
 def tree_backward(model: nn.Module, tree: PrefixTree, loss_fn: Objective, mode: str | None = None,

@@ -143,7 +143,7 @@ def _check_layers(model: nn.Module, info: ModelInfo, recorder) -> None:
             f"{type(model).__name__} handed over keys/values of {len(recorder)} of its {info.kv_layers} layers with "
             "attention in a forward; the tree engine needs every such layer's (a layer that mixes tokens outside the "
             "cache, such as a custom attention path or a recurrent layer that config.layer_types does not declare, "
-            "cannot take a shared prefix this way). Fix: use mode='vanilla' or 'mask'"
+            "cannot take a shared prefix this way). Fix: use mode='vanilla'"
             + (", or prefix_attention=False if the model's attention bypasses the attention interface"
                if info.packs_siblings else "") + ".")
 
@@ -182,10 +182,11 @@ def forward_plain(model: nn.Module, info: ModelInfo, input_ids: torch.Tensor, co
     batch, length = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(length, device=input_ids.device).expand(batch, length)
-    kwargs = {"use_cache": False}
+    kwargs = {"use_cache": False} if info.cache_arg is not None else {}  # a model without a cache takes no flag
     if columns is not None and info.logits_to_keep:
         kwargs["logits_to_keep"] = to_device(columns, input_ids.device)
-    logits = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs).logits
+    output = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs)
+    logits = output if isinstance(output, torch.Tensor) else output.logits  # a user's model may return the logits
     if columns is not None and not info.logits_to_keep:
         logits = logits[:, to_device(columns, logits.device)]
     return logits

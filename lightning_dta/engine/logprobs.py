@@ -18,7 +18,7 @@ from torch import nn
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.cousins import CousinBatch, PendingChunks, successors
 from lightning_dta.engine.device import expected_sync, to_device
-from lightning_dta.engine.forward import forward_batch, forward_cousins
+from lightning_dta.engine.forward import forward_batch, forward_cousins, forward_plain
 from lightning_dta.engine.model_info import ModelInfo, inspect_model, loss_dtype
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.recurrent_state import row_states
@@ -121,9 +121,33 @@ class CousinLogprobWalk(LogprobWalk):
         pending.finish(chunks, kv_of, lambda c: successors(c, chunk_size, order))
 
 
+def _per_rollout(model: nn.Module, info: ModelInfo, tree: PrefixTree, engine: EngineOptions,
+                 values: bool) -> list[torch.Tensor]:
+    """``mode='vanilla'``: every rollout through the model's own forward, without a cache, as
+    :mod:`~lightning_dta.engine.vanilla` trains it. It is what a model the tree walk refuses (layers without
+    keys/values, a forward that takes no cache) still runs, so the refusals' fix holds for the forward-only passes
+    of a step too."""
+    out = []
+    for tokens in tree.token_tensors:
+        ids = to_device(tokens, info.device)
+        logits = forward_plain(model, info, ids[None], None)[0, :-1]
+        if values:
+            out.append(logits[:, 0].to(loss_dtype(info.dtype)))
+        else:
+            logp, _ = token_scores(logits, ids[None, 1:], loss_dtype(info.dtype), with_entropy=False,
+                                   temperature=engine.policy_temperature)
+            out.append(logp[0])
+    return out
+
+
 def _forward_only(model: nn.Module, tree: PrefixTree, engine: EngineOptions, values: bool) -> list[torch.Tensor]:
     """Check the model and the tree, then walk: cousins packed where prefix attention runs (and sibling batching is
-    on), siblings only otherwise."""
+    on), siblings only otherwise; every rollout on its own under ``mode='vanilla'``."""
+    if engine.mode == "vanilla":
+        info = inspect_model(model, uses_cache=False, prefix_attention=False, prefix_attention_backend=None)
+        check_tree_fits_model(tree, info.vocab_size, info.max_positions)
+        with torch.no_grad():
+            return _per_rollout(model, info, tree, engine, values)
     info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention,
                          prefix_attention_backend=engine.prefix_attention_backend)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
@@ -137,8 +161,9 @@ def tree_logprobs(model: nn.Module, tree: PrefixTree, *, engine: EngineOptions |
     """Forward only: one 1-D tensor per rollout (input order); entry ``t-1`` is ``log p(x_t | x_<t)``.
 
     ``engine`` (:class:`EngineOptions`, keyword ``overrides`` on top) walks the tree as training does: its
-    ``chunk_size``, ``sibling_batch_tokens``, ``order`` and ``prefix_attention`` apply; the training-only options
-    (``mode``, ``activation``, ...) are ignored.
+    ``chunk_size``, ``sibling_batch_tokens``, ``order`` and ``prefix_attention`` apply; ``mode='vanilla'`` forwards
+    every rollout on its own instead (the model's own forward without a cache: what runs a model the tree walk
+    refuses); the training-only options (``activation``, ...) are ignored.
     """
     return _forward_only(model, tree, EngineOptions.resolve(engine, **overrides), values=False)
 

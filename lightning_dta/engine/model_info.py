@@ -38,7 +38,7 @@ from lightning_dta.engine.prefix_attention import (
 
 @dataclass(frozen=True)
 class ModelInfo:
-    cache_arg: str  # "cache" (transformers >= 5.24) or "past_key_values"
+    cache_arg: str | None  # "cache" (transformers >= 5.24) or "past_key_values"; None: none (mode='vanilla' only)
     logits_to_keep: bool  # whether forward accepts an index tensor of positions to project
     vocab_size: int | None
     max_positions: int | None
@@ -167,6 +167,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         cache_arg = "cache"
     elif "past_key_values" in params:
         cache_arg = "past_key_values"
+    elif not uses_cache:  # the per-rollout forward passes no cache
+        cache_arg = None
     else:
         raise ModelNotSupportedError(
             f"{type(model).__name__}.forward takes no KV cache (no 'cache' or 'past_key_values' argument); "
@@ -178,7 +180,7 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         raise ModelNotSupportedError(
             "transformers gradient checkpointing is enabled; it drops the KV cache during training (with only a "
             "warning), which would train on different inputs. Fix: call model.gradient_checkpointing_disable() "
-            "and use EngineOptions(activation='recompute', chunk_size=...) instead.")
+            "and use activation='recompute' with chunk_size=... instead.")
     # a user's model: not every nn.Module carries a Hugging Face config
     config = getattr(model, "config", None)
     text = text_config(model)
@@ -198,7 +200,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         raise ModelNotSupportedError(
             f"prefix_attention=True, but {type(model).__name__} has recurrent layers: prefix attention packs sibling "
             "chunks into one row, and a recurrent layer would run one scan across the siblings. Fix: pass "
-            "prefix_attention=None (the engine then uses the model's own attention over a cache) or False.")
+            "prefix_attention=None (the engine then uses the model's own attention over a cache) or "
+            "prefix_attention=False.")
     if uses_cache and prefix_attention is not False and not is_recurrent(kinds):
         configs, backend, reason = choose_prefix_attention(
             model, first.device, compute_dtype(first.dtype, first.device), num_layers, prefix_attention_backend)
@@ -207,7 +210,7 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
             reason = reason or "a tensor-parallel peer cannot run it (its kernels failed their check)"
         if reason and prefix_attention:
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
-                                         "(use it where possible) or False.")
+                                         "(use it where possible) or prefix_attention=False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
                      dropout, attn_implementation, configs, backend, num_layers, kinds)
 
@@ -240,3 +243,10 @@ def tensor_parallel_mesh(model: nn.Module):
 def loss_dtype(model_dtype: torch.dtype) -> torch.dtype:
     """Log-softmax and the loss run in float32 for half-precision models (float64 models keep float64)."""
     return torch.float64 if model_dtype == torch.float64 else torch.float32
+
+
+def check_model(model: nn.Module, engine) -> None:
+    """Refuse ``model`` under ``engine`` (:class:`~lightning_dta.EngineOptions`) for what its structure alone decides
+    (no KV cache, layers without keys/values, transformers gradient checkpointing, a mask that is not causal),
+    without a forward: a trainer calls it before anything runs, so that a refusal comes before the first step."""
+    inspect_model(model, uses_cache=engine.mode != "vanilla", prefix_attention=False, prefix_attention_backend=None)

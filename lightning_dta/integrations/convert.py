@@ -14,7 +14,6 @@ section (or that section itself).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
@@ -61,10 +60,15 @@ def render(converted: Converted) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-dta convert", description=__doc__.split("\n\n")[0])
+    from jsonargparse import ArgumentParser
+
+    from lightning_dta.arguments import parse_args
+
+    parser = ArgumentParser(prog="lightning-dta convert", description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("framework", choices=("trl", "verl", "areal"))
-    parser.add_argument("config", type=Path, help="their config, JSON or YAML")
-    args = parser.parse_args(argv)
+    parser.add_argument("config", help="their config, JSON or YAML")
+    args = parse_args(parser, argv, "convert")
+    args.config = Path(args.config)
     try:
         text = args.config.read_text()
         config = json.loads(text) if args.config.suffix == ".json" else yaml.safe_load(text)

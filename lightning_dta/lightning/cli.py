@@ -17,20 +17,24 @@ strategy name) are checked first (:func:`check_trainer_settings`).
 
 from __future__ import annotations
 
+import sys
+from argparse import ArgumentError, Namespace
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 import lightning_dta  # noqa: F401  (registers the "dta" strategies before the Trainer is built)
+from lightning_dta.arguments import option_keys, refusal
 from lightning_dta.core.errors import ConfigError, UsageError
 from lightning_dta.lightning.callbacks import StepProgressBar
 from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.lightning.help import fix_lightning_defaults, short_help
 from lightning_dta.lightning.module import DTAModule
 
 
@@ -100,6 +104,28 @@ class DTACLI(LightningCLI):
         return {"fit": LightningCLI.subcommands()["fit"]}
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse; a refused key, value or file is one line with the fix (:mod:`lightning_dta.arguments`), not the
+        usage (the parsers are built with ``exit_on_error=False``)."""
+        subcommands = parser._subcommands_action  # jsonargparse keeps no public map of subcommand parsers
+        fit = subcommands._name_parser_map["fit"] if subcommands is not None else parser
+        given = list(sys.argv[1:] if args is None else args) if not isinstance(args, (dict, Namespace)) else []
+        if "--help-all" in given:
+            fix_lightning_defaults(fit)
+            given = [("--help" if arg == "--help-all" else arg) for arg in given]
+            if args is None:  # LightningCLI warns when given both arguments and sys.argv
+                sys.argv[1:] = given
+            else:
+                args = given
+        elif {"-h", "--help"} & set(given):
+            print(short_help(fit), end="")
+            raise SystemExit(0)
+        try:
+            super().parse_arguments(parser, args)
+        except ArgumentError as error:
+            raise refusal(str(error), option_keys(fit), "fit") from None
+
+    @override
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_trainer_settings(config["trainer"])
@@ -139,6 +165,7 @@ def cli_main(args: Sequence[str] | None = None, run: bool = True) -> LightningCL
         trainer_defaults={"strategy": "dta", "enable_model_summary": False},
         save_config_callback=SaveConfigToLogDir,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False, "fit": {"exit_on_error": False}},  # one line, not the usage
         args=list(args) if args is not None else None,
         run=run,
     )

@@ -38,6 +38,7 @@ from lightning_dta.core.tree import PrefixTree
 from lightning_dta.distributed.parallelize import parallelize_model
 from lightning_dta.distributed.step import StepOutput, batch_tree
 from lightning_dta.engine import EngineOptions
+from lightning_dta.engine.model_info import check_model
 from lightning_dta.lightning.critic import PPOCritic
 from lightning_dta.lightning.step import DFSStepMixin, build_optimizer, check_clipping, check_optimizer
 from lightning_dta.models import ModelSpec, build_causal_lm, build_on_meta, config_from_dict
@@ -211,6 +212,9 @@ class DTAModule(DFSStepMixin, LightningModule):
             data.connect_model(self.model)
         datamodule = self.trainer.datamodule
         self._check_gae_setup(datamodule.advantage_estimator if isinstance(datamodule, EstimatesAdvantages) else None)
+        for model in (self.model, self.critic.model if self.critic is not None else None):
+            if model is not None:
+                check_model(model, self.engine)  # a refused model: before the first step, not after its bar
         if self.model is not None:
             total = sum(p.numel() for p in self.model.parameters())
             trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)

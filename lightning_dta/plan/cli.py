@@ -4,7 +4,7 @@
 
 The model is a shape (a preset, or a local ``config.json`` / model directory: no weights are read); the step is a
 rollout file or a bench workload. Activation rates are probed on the CPU on one- and two-layer clones of the
-shape (seconds for an 8B shape), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
+shape (20-45 s for an 8B shape on two cores), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jsonargparse import ArgumentParser, Namespace
 
+from lightning_dta.arguments import parse_args
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.balance import partition
 from lightning_dta.core.errors import UsageError
@@ -32,7 +33,7 @@ from lightning_dta.shapes.models import PRESETS, model_config
 from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, planned_modes
 from lightning_dta.shapes.workloads import WORKLOADS
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
          "gib": 2**30, "tib": 2**40}
 
 
@@ -40,11 +41,19 @@ class PlanError(UsageError, ValueError):
     """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
 
 
+UNIT_NAMES = "B, kB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"
+SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
+
+
 def parse_bytes(text: str) -> int:
-    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MiB"``, ``"1.5e9"``, ``"1E3"`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    """``"80GB"`` (10^9), ``"80GiB"`` (2^30), ``"512MiB"``, ``"1.5e9B"``, ``"1E3B"`` -> bytes. A number without a
+    unit is refused: ``80`` meant as 80 GB would be read as 80 bytes."""
+    match = SIZE.fullmatch(text)
+    if match and not match.group(2):
+        raise PlanError(f"--memory {text!r} has no unit. Fix: {text.strip()}GB or {text.strip()}GiB (the units: "
+                        f"{UNIT_NAMES})")
     if not match or match.group(2).lower() not in UNITS:
-        raise PlanError(f"--memory {text!r}: write a size such as 80GB, 80GiB or 512MiB")
+        raise PlanError(f"--memory {text!r}: write a size such as 80GB, 80GiB or 512MiB (the units: {UNIT_NAMES})")
     value = float(match.group(1)) * UNITS[match.group(2).lower()]
     if value < 1:
         raise PlanError(f"--memory {text!r}: a size of at least one byte, such as 80GB")
@@ -52,6 +61,14 @@ def parse_bytes(text: str) -> int:
         raise PlanError(f"--memory {text!r} is more than any accelerator holds (at most 2**63 bytes). Fix: the "
                         "memory of one device, such as 80GB")
     return int(value)
+
+
+def in_unit_of(nbytes: float, text: str) -> str:
+    """``nbytes`` in the unit of the size ``text`` the user wrote (``"80GB"``: GB), so that what the planner
+    made of ``--memory`` reads beside it."""
+    unit = SIZE.fullmatch(text).group(2)
+    value = nbytes / UNITS[unit.lower()]
+    return f"{value:,.0f} {unit}" if unit.lower() == "b" else f"{value:,.4g} {unit}"
 
 
 def gib(nbytes: float) -> str:
@@ -93,7 +110,7 @@ def load_config(model: str):
 
 
 def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False)
+    parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False, exit_on_error=False)
     parser.add_argument("--model", default="bench",
                         help=f"a preset ({', '.join(['bench', *sorted(PRESETS)])}), a config.json or a model "
                         "directory (default: bench, the bench's 4-layer model)")
@@ -106,8 +123,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--strategy", default="dta", choices=("dta", "dta_fsdp"),
                         help="dta: weights replicated; dta_fsdp: sharded over --devices (FSDP2)")
     parser.add_argument("--devices", default=1, type=int, help="data-parallel ranks the step is split over")
-    parser.add_argument("--memory", default=None, help="accelerator memory per rank (80GB, 80GiB, ...): list the "
-                        f"engine options that fit in it, less {HEADROOM:.0%} headroom")
+    parser.add_argument("--memory", default=None, help="accelerator memory per rank, with its unit (80GB, 80GiB, "
+                        f"...): list the engine options that fit in it, less {HEADROOM:.0%} of it left to the "
+                        "allocator's fragmentation and the runtime's context")
     parser.add_argument("--recompute-chunk", default=RECOMPUTE_CHUNK, type=int,
                         help="chunk_size of the dfs-recompute row")
     parser.add_argument("--tensor-parallel", default=1, type=int,
@@ -168,12 +186,16 @@ def _worst(plans: list[StepPlan]) -> dict[str, dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     try:
-        return _run(args, parser)
+        return _run(parse_args(parser, argv, "plan"), parser)
     except (UsageError, OSError) as error:  # OSError: a rollout file that cannot be read
         print(f"lightning-dta plan: error: {error}", file=sys.stderr)
         return 2
+
+
+def _progress(message: str) -> None:
+    """What the planner does while it works (tens of seconds for an 8B shape), on stderr beside the notes."""
+    print(f"lightning-dta plan: {message} ...", file=sys.stderr, flush=True)
 
 
 def _run(args: Namespace, parser: ArgumentParser) -> int:
@@ -187,12 +209,15 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
         config = tensor_parallel_config(config, args.tensor_parallel)  # what one rank computes
     except ValueError as error:
         raise PlanError(f"{error} (--tensor-parallel, --strategy, --precision, --walk-gradient-dtype)") from error
-    rates = probe_rates(config, PRECISIONS[args.precision][1])
     engine = parser.instantiate(args).engine
     try:
         modes = planned_modes(engine, args.recompute_chunk)
     except ValueError as error:
         raise PlanError(f"{error} (--recompute-chunk)") from error
+    _progress(f"probing activation rates on 1- and 2-layer clones of {args.model} on the CPU")
+    rates = probe_rates(config, PRECISIONS[args.precision][1])
+    _progress(f"running the step's schedule dry on {len(trees)} rank(s)"
+              + (", and each engine option that may fit" if memory else ""))
     plans = [plan_step(tree, config, rates, state, modes) for tree in trees]
     worst = _worst(plans)
     logical = sum(t.stats.logical_tokens for t in trees)
@@ -207,7 +232,7 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
                                    "tflops": max(p.forward_only.flops for p in plans) / 1e12,
                                    "vanilla_tflops": max(p.vanilla_forward_flops for p in plans) / 1e12}}
         if fits is not None:
-            record["fits"] = _common_fits(fits)
+            record["fits"] = common_fits(fits)
         print(json.dumps(record, indent=2))
         return 0
     shape = plans[0].shape
@@ -241,12 +266,12 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
     print(f"forward-only tree_logprobs: {gib(max(p.forward_only.activations for p in plans))} beside the state, "
           f"{forward:.3g} TFLOPs ({vanilla_forward / forward:.2f}x fewer than per-rollout forwards)")
     if fits is not None:
-        _print_fits(_common_fits(fits), memory, args.strategy)
+        _print_fits(common_fits(fits), memory, args.memory, args.strategy)
     return 0
 
 
-def _common_fits(fits: list[list]) -> list[dict]:
-    """The options that fit on every rank, cheapest first (FLOPs of the slowest rank)."""
+def common_fits(fits: list[list]) -> list[dict]:
+    """The options that fit on every rank, cheapest first (FLOPs of the slowest rank, then the peak)."""
     names = [f.prediction.name for f in fits[0]]
     out = []
     for name in names:
@@ -261,12 +286,15 @@ def _common_fits(fits: list[list]) -> list[dict]:
                                              if v != getattr(EngineOptions(), k)},
                     "peak_bytes": max(f.peak for f in on_ranks),
                     "tflops": max(f.prediction.flops for f in on_ranks) / 1e12})
-    return sorted(out, key=lambda f: f["tflops"])
+    return sorted(out, key=lambda f: (f["tflops"], f["peak_bytes"]))  # at equal FLOPs the smaller peak
 
 
-def _print_fits(fits: list[dict], memory: int, strategy: str) -> None:
-    print(f"\ndfs engine options that fit {gib(memory)} per rank (less {HEADROOM:.0%} headroom), cheapest first (the "
-          "vanilla rows above are the per-rollout baselines, never proposed):")
+def _print_fits(fits: list[dict], memory: int, text: str, strategy: str) -> None:
+    usable = memory * (1 - HEADROOM)
+    print(f"\ndfs engine options that fit {in_unit_of(usable, text)} per rank: --memory {text} less {HEADROOM:.0%} "
+          f"of it ({in_unit_of(memory - usable, text)}) left to the allocator's fragmentation and the runtime's "
+          "context; cheapest first by FLOPs, then by peak (the vanilla rows above are the per-rollout baselines, "
+          "never proposed):")
     if not fits:
         shard = "use more ranks" if strategy == "dta_fsdp" else "shard the state (--strategy dta_fsdp), use more ranks"
         print(f"  none: not even dfs recompute with 256-token chunks. {shard[0].upper() + shard[1:]}, or shorter "
@@ -274,7 +302,8 @@ def _print_fits(fits: list[dict], memory: int, strategy: str) -> None:
         return
     for fit in fits:
         options = ", ".join(f"{k}={v}" for k, v in fit["engine"].items()) or "defaults"
-        print(f"  {fit['name']:<28} peak {gib(fit['peak_bytes']):>11}  {fit['tflops']:8.3g} TFLOPs  ({options})")
+        print(f"  {fit['name']:<28} peak {in_unit_of(fit['peak_bytes'], text):>11}  {fit['tflops']:8.3g} TFLOPs  "
+              f"({options})")
     best = fits[0]["engine"]
     print("\nin a config (model.engine):\n  model:\n    engine:")
     for key, value in (best or {"activation": "keep"}).items():

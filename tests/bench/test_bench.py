@@ -52,6 +52,7 @@ def test_bench_help_documents_every_option():
             assert flag in text
         if action.dest != "help":
             assert action.help, f"{action.option_strings} has no help text"
+    assert "<function" not in text and "%%" not in text, text  # issue 32: types named, percent signs single
 
 
 def test_flop_limit_of_known_shapes():

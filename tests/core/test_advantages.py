@@ -53,13 +53,13 @@ def test_estimators_return_new_rollouts_and_leave_inputs_alone():
 def test_missing_reward_names_the_rollout_and_field():
     rollouts = make([1.0, 0.5, None], ["g", "g", "g"])
     for method in ADVANTAGE_ESTIMATORS:
-        with pytest.raises(RolloutError, match=r"rollout 2, field 'reward'") as info:
+        with pytest.raises(RolloutError, match=r"rollout index 2, field 'reward'") as info:
             estimate_advantages(rollouts, method)
         assert info.value.index == 2 and info.value.field == "reward"
 
 
 def test_grpo_refuses_rollouts_without_group():
-    with pytest.raises(RolloutError, match=r"rollout 1, field 'group_id'"):
+    with pytest.raises(RolloutError, match=r"rollout index 1, field 'group_id'"):
         grpo_advantages(make([1.0, 0.5], ["g", None]))
 
 

@@ -23,7 +23,7 @@ def expect_error(records: list[dict], field: str, index: int, **limits) -> str:
     with pytest.raises(dta.RolloutError) as info:
         dta.validate_rollouts(rollouts, **limits)
     message = str(info.value)
-    assert f"rollout {index}" in message and f"'{field}'" in message and "Fix:" in message, message
+    assert f"rollout index {index}," in message and f"'{field}'" in message and "Fix:" in message, message
     assert info.value.index == index and info.value.field == field
     return message
 
@@ -71,10 +71,10 @@ def test_loss_mask_values():
 def test_tree_backward_checks_the_model_limits():
     model = make_model("llama")
     tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3]), dta.Rollout(input_ids=[1, 2, 99])])
-    with pytest.raises(dta.RolloutError, match=r"rollout 1, field 'input_ids'.*vocabulary"):
+    with pytest.raises(dta.RolloutError, match=r"rollout index 1, field 'input_ids'.*vocabulary"):
         dta.tree_backward(model, tree, dta.PolicyLoss())
     tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1] * 300)])
-    with pytest.raises(dta.RolloutError, match=r"rollout 0.*maximum positions \(256\)"):
+    with pytest.raises(dta.RolloutError, match=r"rollout index 0.*maximum positions \(256\)"):
         dta.tree_logprobs(model, tree)
 
 
@@ -91,16 +91,16 @@ def test_jsonl_round_trip(tmp_path):
 def test_jsonl_errors_name_the_file_line(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps(good()) + "\n\n" + json.dumps(good(advantage=1.0)) + "\n")
-    with pytest.raises(dta.RolloutError, match=rf"^{path}:3: rollout 1, field 'advantage': unknown field"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:3: rollout index 1, field 'advantage': unknown field"):
         dta.read_rollouts(path)  # the blank line 2 is counted in the line, not in the rollout index
     path.write_text(json.dumps(good()) + "\n{not json\n")
-    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout 1, field '<json>': not valid JSON"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout index 1, field '<json>': not valid JSON"):
         dta.read_rollouts(path)
     path.write_text(json.dumps(good(loss_mask=[0, 1])) + "\n")
-    with pytest.raises(dta.RolloutError, match=rf"^{path}:1: rollout 0, field 'loss_mask'"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:1: rollout index 0, field 'loss_mask'"):
         dta.read_rollouts(path)
     path.write_text(json.dumps({"loss_mask": [0, 1]}) + "\n")
-    with pytest.raises(dta.RolloutError, match=r"rollout 0, field 'input_ids': missing"):
+    with pytest.raises(dta.RolloutError, match=r"rollout index 0, field 'input_ids': missing"):
         dta.read_rollouts(path)
     path.write_text("")
     with pytest.raises(dta.RolloutError, match="holds no rollouts"):
@@ -115,9 +115,9 @@ def test_every_fault_of_a_file_in_one_error(tmp_path):
         dta.read_rollouts(path, vocab_size=256)
     message = str(info.value)
     assert message.startswith(f"3 faulty rollouts in {path}:"), message
-    assert f"{path}:2: rollout 1, field 'input_ids': token 1 is -3, outside the vocabulary [0, 256)" in message
-    assert f"{path}:5: rollout 3, field 'loss_mask': has 3 entries but input_ids has 4" in message
-    assert f"{path}:6: rollout 4, field 'input_ids': token 2 is 300, outside the vocabulary [0, 256)" in message
+    assert f"{path}:2: rollout index 1, field 'input_ids': token 1 is -3, outside the vocabulary [0, 256)" in message
+    assert f"{path}:5: rollout index 3, field 'loss_mask': has 3 entries but input_ids has 4" in message
+    assert f"{path}:6: rollout index 4, field 'input_ids': token 2 is 300, outside the vocabulary [0, 256)" in message
     assert [f.index for f in info.value.faults] == [1, 3, 4] and info.value.field == "input_ids"
 
 
@@ -148,7 +148,7 @@ def test_a_utf8_bom_is_skipped_and_a_repeated_key_refused(tmp_path):
     path.write_bytes(b"\xef\xbb\xbf" + b'{"input_ids": [1, 2, 3], "reward": 1.0}\n{"input_ids": [4, 5]}\n')
     assert [r.input_ids for r in dta.read_rollouts(path)] == [[1, 2, 3], [4, 5]]
     path.write_text('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5], "reward": 1.0, "reward": 0.0}\n')
-    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout 1, field 'reward': is given twice"):
+    with pytest.raises(dta.RolloutError, match=rf"^{path}:2: rollout index 1, field 'reward': is given twice"):
         dta.read_rollouts(path)
 
 

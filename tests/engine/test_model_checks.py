@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 import transformers
@@ -208,3 +211,72 @@ def test_probe_leaves_the_random_stream_alone():
     torch.manual_seed(3)
     assert probe(model, model.config.num_hidden_layers, CPUFlashBackend(), torch.float32).reason is None
     assert torch.equal(torch.rand(3), expected)
+
+
+class NoCacheOutputLM(NoCacheLM):
+    """A model whose forward takes no cache, returning its logits as transformers models do."""
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return transformers.modeling_outputs.CausalLMOutput(logits=super().forward(input_ids))
+
+
+def refused_model(name: str) -> torch.nn.Module:
+    """A float64 model the tree walk refuses, each for its own reason."""
+    if name == "no KV cache (logits)":
+        model = NoCacheLM()
+    elif name == "no KV cache (output)":
+        model = NoCacheOutputLM()
+    elif name == "a layer kind the engine does not walk":  # Falcon-H1: attention and Mamba2 side by side
+        model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+            vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, head_dim=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_heads=8,
+            mamba_d_head=8, mamba_n_groups=1, mamba_d_ssm=64, mamba_chunk_size=8))
+    else:
+        model = transformers.DogeForCausalLM(transformers.DogeConfig(
+            vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, is_moe=True, num_experts=16, num_experts_per_tok=2, attn_implementation="eager"))
+    torch.manual_seed(0)
+    return model.double().eval()
+
+
+def engine_fix(message: str) -> dict[str, str]:
+    """The engine settings the refusal's fix names (``Fix: mode='vanilla'`` -> ``{"mode": "vanilla"}``)."""
+    fix = message.split("Fix:", 1)[1]
+    names = "|".join(f.name for f in dataclasses.fields(dta.EngineOptions))
+    return dict(re.findall(rf"\b({names})='([^']*)'", fix))
+
+
+@pytest.mark.parametrize("name", ["no KV cache (logits)", "no KV cache (output)",
+                                  "a layer kind the engine does not walk", "MoE router"])
+def test_the_fix_of_every_model_refusal_runs(name: str) -> None:
+    """Issue 32: the refused model, with the fix its refusal names, runs the forward-only walk (which the warm start
+    and the reference log-probs call) and training, and the log-probs are the definition's: each rollout alone
+    through the model's own forward, log-softmax at every position."""
+    model = refused_model(name)
+    tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3, 5], advantages=1.0),
+                                         dta.Rollout(input_ids=[1, 2, 4], advantages=-0.5)])
+    with pytest.raises(dta.ModelNotSupportedError, match="Fix:") as refused:
+        dta.tree_logprobs(model, tree)
+    fix = engine_fix(str(refused.value))
+    assert fix == {"mode": "vanilla"}, str(refused.value)
+    got = dta.tree_logprobs(model, tree, **fix)
+    for ids, logprobs in zip(tree.token_tensors, got):
+        output = model(input_ids=ids[None])
+        logits = (output if isinstance(output, torch.Tensor) else output.logits)[0, :-1]
+        expected = torch.log_softmax(logits, dim=-1).gather(1, ids[1:, None])[:, 0]
+        torch.testing.assert_close(logprobs, expected, rtol=0, atol=1e-12)
+    with pytest.raises(dta.ModelNotSupportedError):
+        dta.tree_backward(model, tree, dta.PolicyLoss())
+    dta.tree_backward(model, tree, dta.PolicyLoss(), **fix)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_the_fix_of_the_gradient_checkpointing_refusal_runs() -> None:
+    model = make_model("llama")
+    model.gradient_checkpointing_enable()
+    model.train()
+    with pytest.raises(dta.ModelNotSupportedError, match="Fix: call model.gradient_checkpointing_disable"):
+        dta.tree_backward(model, tiny_tree(), dta.PolicyLoss())
+    model.gradient_checkpointing_disable()
+    tree = dta.PrefixTree.from_rollouts([dta.Rollout(input_ids=[1, 2, 3], advantages=1.0)])
+    dta.tree_backward(model, tree, dta.PolicyLoss(), activation="recompute", chunk_size=2)

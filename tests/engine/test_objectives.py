@@ -286,7 +286,7 @@ def test_sequence_weights_need_behaviour_logprobs_where_prox_is_given(models):
     rollouts = near_policy_rollouts(models["llama"], seed=1)
     rollouts[2].old_logprobs = None
     loss_fn = dta.PolicyLoss(importance_weight_cap=2.0, importance_level="sequence")
-    with pytest.raises(dta.RolloutError, match="rollout 2, field 'old_logprobs'"):
+    with pytest.raises(dta.RolloutError, match="rollout index 2, field 'old_logprobs'"):
         dta.tree_backward(models["llama"], dta.PrefixTree.from_rollouts(rollouts), loss_fn)
 
 

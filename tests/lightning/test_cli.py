@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import subprocess
@@ -16,6 +17,7 @@ import yaml
 import lightning_dta as dta
 from lightning_dta import cli
 from lightning_dta.core.advantages import grpo_advantages
+from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.rollout import read_rollouts
 from lightning_dta.lightning.data import make_step_batch
 from tests import helpers
@@ -86,8 +88,32 @@ def test_a_step_with_a_non_finite_loss_is_skipped_on_both_ranks_and_named(tmp_pa
 def test_help_lists_the_subcommands_that_work() -> None:
     proc = subprocess.run([str(EXECUTABLE), "--help"], capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0 and "{fit,plan,bench,export,convert}" in proc.stdout, proc.stdout
-    with pytest.raises(SystemExit):
+    with pytest.raises(ConfigError, match="subcommand 'validate'.*Fix: one of fit"):
         cli.cli_main(["validate", "--config", str(REPO / "configs" / "tiny_cpu.yaml")])  # no validation_step
+
+
+def test_fit_help_starts_with_the_projects_options_one_line_each(capsys: pytest.CaptureFixture) -> None:
+    """Issue 32: a screenful per section, not LightningCLI's 1,300 lines; every option of the loss and the engine
+    (their fields), each on one line with its meaning; the rest behind --help-all."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--help"])
+    assert exit_info.value.code in (0, None)
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: lightning-dta fit") and len(lines) < 100 and max(map(len, lines)) <= 120, text
+    first_trainer = next(i for i, line in enumerate(lines) if "--trainer." in line)
+    for name in [f.name for f in dataclasses.fields(dta.PolicyLoss) if not f.name.startswith("_")]:
+        (line,) = [i for i, line in enumerate(lines) if line.startswith(f"  --model.loss.{name} ")]
+        assert line < first_trainer and len(lines[line].split(None, 1)) == 2, lines[line]
+    for name in dta.EngineOptions().to_dict():
+        assert any(line.startswith(f"  --model.engine.{name} ") for line in lines[:first_trainer]), name
+    assert "torch.nn.Linear" not in text and 'Default: ``"auto"``' not in text and "--help-all" in text
+    assert "--trainer.strategy" in text and "(default: dta)" in text
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--help-all"])
+    every = capsys.readouterr().out
+    assert "--trainer.gradient_clip_val" in every and "default: dta" in every
+    assert 'Default: ``"auto"``' not in every.split("--trainer.strategy STRATEGY")[1][:300]
 
 
 def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Path) -> None:
@@ -103,8 +129,8 @@ def test_a_bad_rollout_file_is_one_clear_error_without_a_traceback(tmp_path: Pat
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     n = len(first["input_ids"])
-    assert f"{bad}:2: rollout 1, field 'loss_mask': has {n - 1} entries but input_ids has {n}" in proc.stderr
-    assert (f"{bad}:6: rollout 4, field 'input_ids': token 3 is -3, outside the vocabulary [0, vocab_size)"
+    assert f"{bad}:2: rollout index 1, field 'loss_mask': has {n - 1} entries but input_ids has {n}" in proc.stderr
+    assert (f"{bad}:6: rollout index 4, field 'input_ids': token 3 is -3, outside the vocabulary [0, vocab_size)"
             in proc.stderr)
 
 

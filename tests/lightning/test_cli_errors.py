@@ -5,13 +5,16 @@ finding 7 of issue 21 and the module's, engine's, data module's, source's and st
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from lightning_dta import cli
+from lightning_dta.rl import callback
 from tests import helpers
 from tests.helpers.lightning import clean_env
 from tests.helpers.online import small_config
@@ -148,3 +151,118 @@ def test_the_installed_command_exits_2_without_a_traceback(tmp_path: Path) -> No
                           cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "trainer.devices=0" in proc.stderr
+
+
+def _misnamed_yaml(tmp_path: Path) -> str:
+    path = tmp_path / "misnamed.yaml"
+    path.write_text((REPO / "configs" / "tiny_cpu.yaml").read_text().replace("rollouts_per_step:", "rollout_per_step:"))
+    return str(path)
+
+
+TINY = ["fit", "--config", str(REPO / "configs" / "tiny_cpu.yaml")]
+# (id, argv, what the one line must say); a callable argument gets tmp_path. Each is refused while parsing, before
+# anything is built.
+PARSE_CASES = [
+    ("fit key misspelt", [*TINY, "--model.loss.clip_epsilon=0.2"],
+     ["--model.loss.clip_epsilon", "did you mean --model.loss.clip_eps?"]),
+    ("fit YAML key misspelt", ["fit", "--config", _misnamed_yaml],
+     ["data.rollout_per_step", "did you mean data.rollouts_per_step?"]),
+    ("fit value not allowed", [*TINY, "--model.engine.mode=DFS"],
+     ["model.engine.mode='DFS'", "did you mean dfs?", "vanilla"]),
+    ("fit value of the wrong type", [*TINY, "--model.engine.chunk_size=abc"],
+     ["model.engine.chunk_size='abc'", "an int or null"]),
+    ("fit class argument misspelt", [*TINY, "--model.optimizer.init_args.lrr=0.1"],
+     ["torch.optim.AdamW takes no argument 'lrr'", "did you mean model.optimizer.init_args.lr?"]),
+    ("fit value of a union not allowed", [*TINY, "--trainer.precision=16-truee"],
+     ["trainer.precision='16-truee'", "did you mean 16-true?", "bf16-mixed"]),
+    ("fit config file missing", ["fit", "--config", "/nonexistent/run.yaml"], ["/nonexistent/run.yaml"]),
+    ("verb misspelt", ["fti", "--config", "x.yaml"], ["'fti' is not a verb", "did you mean fit?"]),
+    ("plan key misspelt", ["plan", "--worklaod", "agent"], ["--worklaod", "did you mean --workload?"]),
+    ("plan choice", ["plan", "--workload", "nosuch"], ["--workload 'nosuch'", "tau2-like"]),
+    ("plan engine value", ["plan", "--engine.mode=DFS"], ["engine.mode='DFS'", "did you mean dfs?"]),
+    ("plan not an int", ["plan", "--devices", "two"], ["devices='two'", "an int"]),
+    ("bench unknown mode", ["bench", "--modes", "dfs,fast", "--no-progress"], ["--modes", "fast", "dfs-recompute"]),
+    ("bench unknown workload", ["bench", "--workloads", "grpo,nosuch", "--no-progress"], ["'nosuch'", "tree-search"]),
+    ("bench key misspelt", ["bench", "--modez", "dfs"], ["--modez", "did you mean --modes?"]),
+    ("export no arguments", ["export"], ["checkpoint, out_dir must be given", "CHECKPOINT OUT_DIR"]),
+    ("export no checkpoint", ["export", "/nonexistent/last.ckpt", "out"], ["/nonexistent/last.ckpt"]),
+    ("convert unknown framework", ["convert", "trlx", "c.yaml"], ["framework 'trlx'", "did you mean trl?"]),
+    ("convert no file", ["convert", "trl", "/nonexistent/c.yaml"], ["/nonexistent/c.yaml"]),
+]
+
+
+@pytest.mark.parametrize("case", PARSE_CASES, ids=[c[0] for c in PARSE_CASES])
+def test_every_verb_refuses_bad_input_in_one_line_and_exit_2(case, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture) -> None:
+    """No usage (it is for --help), no traceback: one line that names the setting and the fix."""
+    _, argv, named = case
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    verb = argv[0] if argv[0] in ("fit", *cli.COMMANDS) else None
+    assert err.startswith(f"lightning-dta {verb}: error: " if verb else "lightning-dta: error: "), err
+    assert err.count("\n") == 1 and "Fix: " in err and not out, (out, err)
+    for name in named:
+        assert name in err, (name, err)
+
+
+@pytest.mark.slow
+def test_a_refused_model_is_refused_before_anything_runs_and_its_fix_runs(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: the toy RL job on a model the tree walk refuses (Falcon-H1's hybrid layers) is refused before
+    the warm start and the first step, with the fix as the command's option; that option, added to the same
+    command, runs the job (the warm start's forward-only walk included)."""
+    config = yaml.safe_load((REPO / "configs" / "toy_rl_cpu.yaml").read_text())
+    config["trainer"].update(max_steps=1, logger=False)
+    config["trainer"]["callbacks"][0]["init_args"].update(sft_warmup_steps=2, reward_plot=None)
+    config["model"]["model"].update(model_type="falcon_h1", head_dim=16, mamba_d_state=8, mamba_d_conv=4,
+                                    mamba_expand=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
+                                    mamba_d_ssm=128, mamba_chunk_size=8)
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump(config))
+    argv = ["fit", "--config", str(path)]
+    warm_start = callback.sft_warm_start
+
+    def not_yet(*args, **kwargs):
+        raise AssertionError("the warm start ran before the model was refused")
+
+    monkeypatch.setattr(callback, "sft_warm_start", not_yet)
+    assert cli.main(argv) == 2
+    monkeypatch.setattr(callback, "sft_warm_start", warm_start)
+    out, err = capsys.readouterr()
+    assert "layers of type ['hybrid']" in err and "Epoch" not in out + err, err
+    (fix,) = re.findall(r"Fix: (--\S+?)\.?$", err.strip())
+    assert fix == "--model.engine.mode=vanilla", err
+    assert cli.main([*argv, fix]) == 0, capsys.readouterr().err[-3000:]
+    assert "SFT warm start: 2 steps" in capsys.readouterr().out
+
+
+def applied(argv: list[str], err: str) -> list[str]:
+    """``argv`` with the refusal's "did you mean X?" applied where the user wrote the mistake: the option or value
+    on the command line, or the key in the --config file."""
+    what = err.removeprefix("lightning-dta fit: error: ").split()[0].rstrip(":")
+    (right,) = re.findall(r"did you mean (\S+)\?", err)
+    if "=" in what:  # a value: KEY='VALUE'
+        key, value = what.split("=", 1)
+        return [f"--{key}={right}" if a == f"--{key}={value.strip(chr(39))}" else a for a in argv]
+    if what.startswith("--") or ".init_args." in what:  # an option of the command line
+        return [a.replace(what.lstrip("-"), right.lstrip("-"), 1) for a in argv]
+    config = Path(argv[argv.index("--config") + 1])  # a key of the --config file
+    config.write_text(config.read_text().replace(f"{what.rpartition('.')[2]}:", f"{right.rpartition('.')[2]}:"))
+    return argv
+
+
+FIXABLE = [c for c in PARSE_CASES if c[0].startswith("fit") and any("did you mean" in n for n in c[2])]
+
+
+@pytest.mark.parametrize("case", FIXABLE, ids=[c[0] for c in FIXABLE])
+def test_the_fix_of_every_refused_fit_setting_parses(case, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 32: the fix a refusal names, applied, is a config the parser takes (checked with --print_config)."""
+    _, argv, _ = case
+    argv = [a(tmp_path) if callable(a) else a for a in argv]
+    assert cli.main(argv) == 2
+    fixed = applied(argv, capsys.readouterr().err)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*fixed, "--print_config"])
+    assert exit_info.value.code in (0, None), capsys.readouterr().err

@@ -86,12 +86,12 @@ def test_source_steps_are_validated_with_the_step_and_rollout_named():
     bad = random_rollouts(3, seed=1)
     bad[2] = Rollout(input_ids=[4, 300, 5])
     dm = RolloutDataModule(source=[random_rollouts(3), bad], vocab_size=256)
-    with pytest.raises(RolloutError, match=r"step 1 of the source .*rollout 2, field 'input_ids'.*300") as info:
+    with pytest.raises(RolloutError, match=r"step 1 of the source .*rollout index 2, field 'input_ids'.*300") as info:
         batches(dm)
     assert info.value.index == 2 and info.value.field == "input_ids"
     with pytest.raises(TypeError, match="one sequence of rollouts per step"):
         batches(RolloutDataModule(source=random_rollouts(3)))  # a flat stream is not a stream of steps
-    with pytest.raises(RolloutError, match=rf"^\d+ faulty rollouts in {TINY}:\n  {TINY}:1: rollout 0, field "
+    with pytest.raises(RolloutError, match=rf"^\d+ faulty rollouts in {TINY}:\n  {TINY}:1: rollout index 0, field "
                                            "'input_ids': token \\d+ is \\d+, outside the vocabulary \\[0, 100\\)"):
         RolloutDataModule(path=TINY, vocab_size=100).setup()
 
@@ -105,9 +105,9 @@ def test_model_limits_check_the_whole_file_with_its_lines(tmp_path):
     write_rollouts(path, rollouts)
     dm = RolloutDataModule(path=path, rollouts_per_step=3)
     dm.setup()  # the vocabulary is known once the model is
-    with pytest.raises(RolloutError, match=rf"^2 faulty rollouts in {path}:\n  {path}:2: rollout 1, field "
+    with pytest.raises(RolloutError, match=rf"^2 faulty rollouts in {path}:\n  {path}:2: rollout index 1, field "
                                            rf"'input_ids': token 2 is 200, outside the vocabulary \[0, 128\).*\n  "
-                                           rf"{path}:5: rollout 4"):
+                                           rf"{path}:5: rollout index 4"):
         dm.connect_model(LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=8, intermediate_size=8,
                                                       num_hidden_layers=1, num_attention_heads=2)))
 
@@ -170,10 +170,10 @@ def test_missing_rewards_are_reported_with_their_step(tmp_path):
     rollouts[5].reward = None
     path = tmp_path / "rewards.jsonl"
     write_rollouts(path, rollouts)
-    with pytest.raises(RolloutError, match=rf"^{path}:6: rollout 5, field 'reward': is missing.*\(step 1\)"):
+    with pytest.raises(RolloutError, match=rf"^{path}:6: rollout index 5, field 'reward': is missing.*\(step 1\)"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="reinforce-baseline").setup()
     dm = RolloutDataModule(source=[rollouts[:4], rollouts[4:]], advantage_estimator="reinforce-baseline")
-    with pytest.raises(RolloutError, match=r"step 1 of the source \(epoch 0\): rollout 1, field 'reward'"):
+    with pytest.raises(RolloutError, match=r"step 1 of the source \(epoch 0\): rollout index 1, field 'reward'"):
         batches(dm)
 
 
@@ -225,7 +225,7 @@ def test_grpo_is_computed_over_the_whole_group_even_when_it_is_split_across_rank
 def test_a_group_split_between_steps_is_refused(tmp_path):
     path = tmp_path / "groups.jsonl"
     write_rollouts(path, [r for g in range(4) for r in random_rollouts(3, seed=g, group_id=g)])
-    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 1 is in step 0 \(its "
+    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout index 4, field 'group_id': group 1 is in step 0 \(its "
                                            rf"first rollout, {path}:4\) and in step 1"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="grpo").setup()
     assert len(batches(RolloutDataModule(path=path, rollouts_per_step=4))) == 3  # own advantages: no problem
@@ -240,7 +240,7 @@ def test_a_group_whose_lines_are_apart_is_refused_when_they_fall_in_two_steps(tm
     swapped[3], swapped[4] = swapped[4], swapped[3]
     path = tmp_path / "swapped.jsonl"
     write_rollouts(path, swapped)
-    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout 4, field 'group_id': group 0 is in step 0 \(its "
+    with pytest.raises(RolloutError, match=rf"^{path}:5: rollout index 4, field 'group_id': group 0 is in step 0 \(its "
                                            rf"first rollout, {path}:1\) and in step 1"):
         RolloutDataModule(path=path, rollouts_per_step=4, advantage_estimator="grpo").setup()
     interleaved = [groups[g % 2][g // 2] for g in range(8)] + [r for group in groups[2:] for r in group]

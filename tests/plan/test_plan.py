@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from lightning_dta.engine import EngineOptions
 from lightning_dta.engine.activation_budget import measure_rates
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.plan import ModelShape, TrainingState, plan_step, probe_rates
-from lightning_dta.plan.cli import gib, main, parse_bytes
+from lightning_dta.plan.cli import common_fits, gib, main, parse_bytes
 from lightning_dta.plan.flops import speedup_limit
 from lightning_dta.plan.predict import HEADROOM, fitting_options
 from lightning_dta.shapes.models import build_model
@@ -159,16 +160,31 @@ def test_state_memory_replicated_and_sharded() -> None:
 def test_parse_bytes() -> None:
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == 80 * 2**30
-    assert parse_bytes("1.5e9") == 1_500_000_000
-    assert parse_bytes("1E3") == parse_bytes("1e3") == parse_bytes("1e+3") == 1000
+    assert parse_bytes("1.5e9B") == 1_500_000_000
+    assert parse_bytes("1E3B") == parse_bytes("1e3 b") == parse_bytes("1e+3B") == 1000
     with pytest.raises(ValueError, match="80GB"):
         parse_bytes("80 parsecs")
+    with pytest.raises(ValueError, match=r"'80' has no unit\. Fix: 80GB or 80GiB \(the units: B, kB, MB, GB"):
+        parse_bytes("80")  # 80 bytes, never what was meant
+
+
+def test_fits_are_listed_cheapest_first_then_by_peak() -> None:
+    """Issue 32: at equal FLOPs the option with the smaller peak comes first."""
+    def fit(name: str, tflops: float, peak: float) -> SimpleNamespace:
+        return SimpleNamespace(prediction=SimpleNamespace(name=name, engine=EngineOptions(), flops=tflops * 1e12),
+                               peak=peak)
+
+    fits = common_fits([[fit("dfs keep", 7.1, 70e9), fit("dfs auto", 7.1, 60e9), fit("dfs recompute", 8.8, 50e9),
+                          fit("dfs slow", 9.0, 10e9)]])
+    assert [f["name"] for f in fits] == ["dfs auto", "dfs keep", "dfs recompute", "dfs slow"]
 
 
 def test_cli_prints_every_mode_and_what_fits(capsys) -> None:
     assert main(["--workload", "tree-search", "--memory", "100MiB", "--precision", "32-true"]) == 0
-    out = capsys.readouterr().out
-    for mode in ("vanilla ", "vanilla-ckpt", "dfs ", "dfs-recompute", "tree_logprobs", "fit 100.0 MiB",
+    out, err = capsys.readouterr()
+    assert "lightning-dta plan: probing activation rates" in err and "running the step's schedule dry" in err, err
+    for mode in ("vanilla ", "vanilla-ckpt", "dfs ", "dfs-recompute", "tree_logprobs",
+                 "fit 90 MiB per rank: --memory 100MiB less 10% of it (10 MiB) left to the allocator",
                  "activation:"):
         assert mode in out, out
     assert main(["--workload", "grpo", "--devices", "2", "--json"]) == 0
@@ -190,9 +206,10 @@ def test_cli_bad_input_exits_2_with_the_fix(tmp_path, capsys) -> None:
     assert "neither a preset" in capsys.readouterr().err
     assert main(["--memory", "lots"]) == 2
     assert "80GB" in capsys.readouterr().err
-    assert main(["--memory", "0"]) == 2 and "at least one byte" in capsys.readouterr().err
+    assert main(["--memory", "0GB"]) == 2 and "at least one byte" in capsys.readouterr().err
     assert main(["--memory", "1e400GB"]) == 2 and "at most 2**63 bytes" in capsys.readouterr().err
-    assert main(["--memory", "1e30"]) == 2 and "more than any accelerator holds" in capsys.readouterr().err
+    assert main(["--memory", "1e30B"]) == 2 and "more than any accelerator holds" in capsys.readouterr().err
+    assert main(["--memory", "80"]) == 2 and "has no unit. Fix: 80GB or 80GiB" in capsys.readouterr().err
     assert main(["--rollouts", str(tmp_path)]) == 2 and str(tmp_path) in capsys.readouterr().err
     assert main(["--recompute-chunk", "0"]) == 2 and "--recompute-chunk" in capsys.readouterr().err
     (tmp_path / "broken").mkdir()
@@ -234,7 +251,7 @@ def test_rollouts_a_model_cannot_take_are_named_by_line_before_the_split(tmp_pat
     rollouts = REPO / "data" / "tiny_rollouts.jsonl"  # vocabulary 256: too large for a 100-token model
     assert main(["--model", _small_model(tmp_path), "--rollouts", str(rollouts), "--devices", "2"]) == 2
     err = capsys.readouterr().err
-    assert f"faulty rollouts in {rollouts}:" in err and f"{rollouts}:1: rollout 0, field 'input_ids'" in err, err
+    assert f"faulty rollouts in {rollouts}:" in err and f"{rollouts}:1: rollout index 0, field 'input_ids'" in err, err
 
 
 def test_the_default_workload_that_does_not_fit_says_so(tmp_path, capsys) -> None:
@@ -262,10 +279,10 @@ def test_a_hybrid_model_is_refused_until_the_planner_prices_it(tmp_path, capsys)
 
 
 def test_more_ranks_than_rollouts_is_noted_and_the_advice_fits_the_strategy(capsys) -> None:
-    assert main(["--workload", "grpo", "--devices", "100", "--memory", "1000"]) == 0
+    assert main(["--workload", "grpo", "--devices", "100", "--memory", "1000B"]) == 0
     out, err = capsys.readouterr()
     assert "16 rollouts over --devices 100: 84 ranks have nothing to train" in err, err
-    assert "fit 1000 B per rank" in out and "Shard the state (--strategy dta_fsdp)" in out, out
-    assert main(["--workload", "grpo", "--strategy", "dta_fsdp", "--devices", "2", "--memory", "1000"]) == 0
+    assert "fit 900 B per rank" in out and "Shard the state (--strategy dta_fsdp)" in out, out
+    assert main(["--workload", "grpo", "--strategy", "dta_fsdp", "--devices", "2", "--memory", "1000B"]) == 0
     out = capsys.readouterr().out
     assert "none:" in out and "--strategy dta_fsdp" not in out.split("none:")[1], out
