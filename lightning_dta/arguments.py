@@ -33,7 +33,8 @@ CHOICE = re.compile(r"argument (\S+): invalid choice: '([^']*)' \(choose from (.
 TYPES = re.compile(r"<class '([\w.]+)'>")
 NOT_AN_ARGUMENT = re.compile(r"Option '([^']+)' is not accepted")
 CLASS_PATH = re.compile(r"class_path[ =]'([\w.]+)'")
-LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)", re.S)
+LITERAL = re.compile(r"Expected a typing\.Literal\[([^\]]*)\]\. Got value: ([^\n]*)")
+NESTED = re.compile(r"NestedArg\(key='([^']+)'")  # a field of a dataclass option given as --KEY.FIELD
 
 
 def parse_args(parser: ArgumentParser, argv: Sequence[str] | None, verb: str) -> Namespace:
@@ -97,6 +98,8 @@ def refusal(message: str, keys: Sequence[str], verb: str) -> ConfigError:
         if literal := LITERAL.search(detail):
             allowed = [a.strip().strip("'\"") for a in literal.group(1).split(",")]
             given = literal.group(2).strip()
+            if nested := NESTED.search(detail):
+                key = f"{key}.{nested.group(1)}"
             return ConfigError(f"{key}={given!r} is not one of its values. Fix: {_one_of(given, allowed)}")
         if option := NOT_AN_ARGUMENT.search(detail):  # a class's init_args: the first class_path named
             return _not_an_argument(key, option.group(1), CLASS_PATH.search(detail), verb)

@@ -52,11 +52,12 @@ class GenerationBatches:
     steps' compression ratio (``compression_ratio`` in the step metrics) drops."""
 
     def __post_init__(self) -> None:
-        for name in ("steps_per_generation", "epochs"):
+        for name, counts in (("steps_per_generation", "optimizer steps per generation batch"),
+                             ("epochs", "passes over each generation batch")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"generation.{name}={value!r}: it counts optimizer steps per generation batch. "
-                                  "Fix: an int >= 1 (1: one step, as without the option)")
+                raise ConfigError(f"generation.{name}={value!r}: it counts {counts}. "
+                                  "Fix: an int >= 1 (1: as without the option)")
         if self.split not in ("groups", "shuffled"):
             raise ConfigError(f"generation.split={self.split!r}. Fix: 'groups' (whole groups per step, the tree keeps "
                               "its sharing) or 'shuffled' (rollouts permuted across steps, as TRL does)")

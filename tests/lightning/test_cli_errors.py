@@ -89,6 +89,10 @@ CASES = [
      ["gradient_clip_algorithm='nosuch'"]),
     ("max_nonfinite_skips 0", ["--model.max_nonfinite_skips=0"], ["max_nonfinite_skips=0"]),
     ("kl_coef without ref_logprobs", ["--model.loss.kl_coef=0.1"], ["kl_coef", "ref_logprobs"]),
+    ("generation steps_per_generation 0", ["--data.generation.steps_per_generation=0"],
+     ["generation.steps_per_generation=0"]),
+    ("generation epochs 0", ["--data.generation.epochs=0"], ["generation.epochs=0"]),
+    ("generation split unknown", ["--data.generation.split=nosuch"], ["data.generation.split='nosuch'", "shuffled"]),
 ]
 
 
