@@ -21,6 +21,10 @@ Four pieces:
   wrong as soon as a step runs more than one backward, and a tree step runs one per pop. Here each backward's
   gradient is summed before it is accumulated (a tensor hook on the parameter object the forward uses, so it also
   follows FSDP2's unsharded parameters).
+- Hybrids: a recurrent mixer (Gated DeltaNet, short convolution, Mamba2) runs whole on every rank, its projections
+  split with gathered outputs (transformers' own plan for Qwen3.5) or replicated, so the states the walk hands from
+  chunk to chunk are the same whole tensors on every peer; a head split of a mixer is refused
+  (:func:`_check_recurrent` says why).
 - Every weight comes from the group's first rank: torch's styles scatter the sharded ones from it, and the ones the
   plan leaves whole are broadcast from it, so peers that built the model unseeded still compute alike.
 The step's sums run over the data-parallel group only (:class:`~lightning_dta.contracts.ParallelLayout`), and the
@@ -53,7 +57,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from lightning_dta.contracts import TENSOR_PARALLEL
 from lightning_dta.core.errors import UsageError
 from lightning_dta.distributed.collectives import broadcast_tensors
-from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
+from lightning_dta.engine.layer_kinds import ATTENTION, LAYER_KINDS, is_recurrent, model_layer_kinds
 
 TP_DIM = TENSOR_PARALLEL  # the mesh dimension's name (Lightning's ModelParallelStrategy and torchtitan use it too)
 
@@ -167,14 +171,6 @@ def _text_config(model: nn.Module):
 def translate(model: nn.Module, tp_size: int | None = None, *, vocab_parallel: bool = True,
               plan_overrides: Mapping[str, str] | None = None) -> TensorParallelPlan:
     """:func:`tp_plan` with the partial-gradient modules and the source styles (see there)."""
-    kinds = model_layer_kinds(_text_config(model))
-    if is_recurrent(kinds):
-        raise TensorParallelError(
-            f"{type(model).__name__} has recurrent layers (layer types {sorted(set(kinds))}): the tree walk hands "
-            "their states from chunk to chunk, and how those states and their gradients split under a tensor-"
-            "parallel plan (transformers' plans gather the recurrent mixers' outputs) is not verified yet. "
-            "Fix: tensor_parallel_size=1 with strategy='dta_fsdp' (each rank walks its own trees with the whole "
-            "layer) or strategy='dta'")
     plan = {**model_plan(model), **dict(plan_overrides or {})}
     if not plan:
         raise TensorParallelError(
@@ -254,6 +250,7 @@ def translate(model: nn.Module, tp_size: int | None = None, *, vocab_parallel: b
                                   f"(plan keys {sorted(plan)[:4]}...). Fix: plan_overrides with this model's module "
                                   "paths")
     _check_heads(model, source, tp_size)
+    _check_recurrent(model, source)
     _check_pairs(model, source)
     _check_tied(model, source, embedding, head)
     return TensorParallelPlan(styles, tuple(partial), source)
@@ -293,6 +290,34 @@ def _check_heads(model: nn.Module, source: dict[str, str], tp_size: int | None) 
                 f"the tensor-parallel size {tp_size}: a rank would hold part of a head (or of a GQA group). Fix: a "
                 f"tensor-parallel size that divides both num_attention_heads ({heads}) and num_key_value_heads "
                 f"({kv_heads})")
+
+
+def _check_recurrent(model: nn.Module, source: dict[str, str]) -> None:
+    """A recurrent mixer (Gated DeltaNet, short convolution, Mamba2) runs whole on every rank: its projections may be
+    split with their outputs gathered (transformers' own plan for Qwen3.5 and Qwen3-Next: ``colwise_gather_output``
+    on every projection), so the mixer, its convolution window and its scan state, the states the walk hands from
+    chunk to chunk, are the same whole tensors on every peer. A head split (an output left sharded) is refused: the
+    mixers' fused projections do not split by heads into contiguous shards."""
+    kinds = model_layer_kinds(_text_config(model))
+    if not is_recurrent(kinds):
+        return
+    recurrent = {kind for kind in kinds if LAYER_KINDS.get(kind, ATTENTION).states}
+    # transformers' recurrent mixers carry their layer's kind; other modules do not
+    mixers = {n: m for n, m in model.named_modules() if getattr(m, "layer_type", None) in recurrent}
+    for name, style in sorted(source.items()):
+        mixer = next((m for m in mixers if name.startswith(f"{m}.")), None)
+        if mixer is None or style not in (*_SHARDED_OUTPUT, *_SHARDED_INPUT, _PARTIAL_GRAD):
+            continue
+        raise TensorParallelError(
+            f"{name} (style {style!r}) is in the recurrent mixer {mixer} ({type(mixers[mixer]).__name__}), which "
+            "cannot be split by heads: its input projection holds several operands for all heads one after another "
+            "(Qwen3.5's in_proj_qkv: every head's q, then every head's k, then v; LFM2's in_proj: B, C, x), so a "
+            "contiguous shard hands one rank all of q and part of k; its depthwise convolution runs over those "
+            "channels in the same order, its per-head parameters (A_log, dt_bias) sit on the mixer itself, and it "
+            "splits its activations by the model's whole sizes. Fix: keep the projection whole per rank, outputs "
+            "gathered (plan_overrides={" f"{name!r}" ": 'colwise_gather_output'}, transformers' own plan for the "
+            "Gated DeltaNet projections) or replicated ('replicate'); the mixer and the states the walk hands over "
+            "are then whole on every rank")
 
 
 def _check_pairs(model: nn.Module, source: dict[str, str]) -> None:

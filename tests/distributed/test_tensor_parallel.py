@@ -7,8 +7,9 @@ counted once per peer 15%. The same holds against the per-rollout reference (not
 have no float32 step inside (tests/helpers/float64.py).
 
 The default suite runs a compact case list over Llama, Qwen3 (q/k norms) and Gemma with 2 key/value heads (tied,
-scaled embeddings); ``-m long`` runs the whole matrix (every engine mode, activation policy, prefix attention on and
-off, sibling batching on and off, and every objective) over four families.
+scaled embeddings), and two hybrids (Qwen3.5, LFM2: recurrent mixers whole per rank); ``-m long`` runs the
+whole matrix (every engine mode, activation policy, prefix attention on and off, sibling batching on and off,
+and every objective) over four families.
 """
 
 from __future__ import annotations
@@ -93,6 +94,22 @@ def test_transformers_post_accumulate_hook_would_be_wrong(compact: dict[str, lis
     for case in ("policy/dfs-keep", "policy/vanilla"):
         assert rows[case]["max_rel_err"] > 1e-2, rows  # measured 4.3 (dfs-keep), 139 (vanilla)
         assert "norm" in rows[case]["worst_param"], rows
+
+
+HYBRID_CASES = ["policy/dfs-keep", "policy/dfs-keep-unbatched", "policy/dfs-recompute-chunk3", "policy/dfs-auto",
+                "policy/vanilla", "gspo/dfs-keep", "critic/dfs-keep", "logprobs/default", "values/default"]
+
+
+def test_tp2_hybrids_equal_one_process(tmp_path: Path) -> None:
+    """Hybrids under tensor parallelism: Qwen3.5 with transformers' own plan (attention and MLP split by heads and
+    columns, every Gated DeltaNet projection split with its output gathered) and LFM2 with attention and MLP split
+    and its short convolutions' projections gathered (``tp_worker.PLAN_OVERRIDES``). The recurrent mixers then run
+    whole on every rank, so the states the walk hands from chunk to chunk (chunks of 3, shorter than the
+    convolution's window of 4) are the same on both peers. About 40 s on 2 cores; measured worst qwen3_5 2.0e-15,
+    lfm2 2.3e-15 (float64 model; the Gated DeltaNet core's float32 steps run alike on both sides)."""
+    rows = run_worker(tmp_path, "--families", "qwen3_5", "lfm2", "--cases", *HYBRID_CASES)
+    assert len(rows) == 2 * len(HYBRID_CASES)
+    check_rows(rows)
 
 
 @pytest.mark.long

@@ -76,12 +76,37 @@ def test_heads_not_divisible_by_the_size() -> None:
         TP.tp_plan(make_model("llama"), 8)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "nemotron_h"])
-def test_recurrent_layers_are_refused(family: str) -> None:
-    """Hybrids declare plans (Qwen3.5 gathers its Gated DeltaNet outputs), but the recurrent states the walk hands
-    between chunks are not verified under them: refused with the fix, before any sharding."""
-    with pytest.raises(TP.TensorParallelError, match=r"recurrent layers .*Fix: tensor_parallel_size=1"):
-        TP.translate(make_model(family), 2)
+def test_hybrid_plans_keep_the_recurrent_mixers_whole() -> None:
+    """Qwen3.5's own plan: attention split by heads, every Gated DeltaNet projection split with its output gathered
+    (the mixer, its convolution window and scan state whole on every rank); its mixer's own per-head parameters
+    (A_log, dt_bias) and its convolution get no style (replicated)."""
+    model = make_model("qwen3_5")
+    plan = TP.translate(model, 2)
+    mixer = "model.layers.0.linear_attn"
+    for leaf in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj"):
+        style = plan.styles[f"{mixer}.{leaf}"]
+        assert isinstance(style, ColwiseParallel) and style.output_layouts == (Replicate(),), leaf
+    assert f"{mixer}.conv1d" not in plan.styles
+    assert isinstance(plan.styles["model.layers.1.self_attn.q_proj"], ColwiseParallel)
+    assert plan.styles["model.layers.1.self_attn.q_proj"].output_layouts == (Shard(-1),)
+    assert isinstance(plan.styles["model.layers.1.self_attn.o_proj"], RowwiseParallel)
+
+
+@pytest.mark.parametrize("family,projection,style", [
+    ("qwen3_5", "model.layers.0.linear_attn.in_proj_qkv", "colwise"),
+    ("qwen3_5", "model.layers.0.linear_attn.out_proj", "rowwise"),
+    ("lfm2", "model.layers.0.conv.in_proj", "colwise"),
+])
+def test_recurrent_mixers_are_not_split_by_heads(family: str, projection: str, style: str) -> None:
+    """A head split of a recurrent mixer is refused with the reason (fused projections that do not split into
+    contiguous per-head shards) and the fix (the projection gathered, as transformers' plan does), before any
+    sharding. Without the refusal Qwen3.5's mixer would split 32 local features by its whole sizes [16, 16, 32]."""
+    pair = {"colwise": "rowwise", "rowwise": "colwise"}[style]
+    other = projection.rsplit(".", 1)[0] + (".out_proj" if style == "colwise" else
+                                             (".in_proj_qkv" if family == "qwen3_5" else ".in_proj"))
+    with pytest.raises(TP.TensorParallelError, match=r"recurrent mixer model\.layers\.0\.\w+ .*cannot be split by "
+                                                     r"heads.*Fix: keep the projection whole per rank"):
+        TP.translate(make_model(family), 2, plan_overrides={projection: style, other: pair})
 
 
 def test_a_model_without_a_plan() -> None:

@@ -110,6 +110,21 @@ CASES.update({
 })
 
 
+# Plans beside the model's own. LFM2's own plan splits only the vocabulary; this one splits its attention by heads
+# (the per-head q/k norms' gradients summed per backward), its MLP by columns, and keeps the short convolutions'
+# projections whole per rank with gathered outputs (the recurrent mixers run whole on every rank).
+PLAN_OVERRIDES: dict[str, dict[str, str]] = {
+    "lfm2": {**{f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"},
+             "model.layers.*.self_attn.out_proj": "rowwise",
+             "model.layers.*.self_attn.q_layernorm": "replicated_with_grad_allreduce",
+             "model.layers.*.self_attn.k_layernorm": "replicated_with_grad_allreduce",
+             "model.layers.*.feed_forward.w1": "colwise", "model.layers.*.feed_forward.w3": "colwise",
+             "model.layers.*.feed_forward.w2": "rowwise",
+             "model.layers.*.conv.in_proj": "colwise_gather_output",
+             "model.layers.*.conv.out_proj": "colwise_gather_output"},
+}
+
+
 class BudgetRecorder:
     """Wraps the engine's ``activation_budget``: records each walk's budget inputs and keep/recompute decisions,
     or replays recorded inputs (the one-process walk then runs the TP walk's schedule)."""
@@ -165,11 +180,12 @@ def run(kind: str, loss_fn, options: dict, tree: dta.PrefixTree, model: torch.nn
     return None, dta.tree_values(model, tree, **options)
 
 
-def parallelized(model: torch.nn.Module, mesh, partial_gradients: str, vocab_parallel: bool) -> torch.nn.Module:
+def parallelized(model: torch.nn.Module, mesh, partial_gradients: str, vocab_parallel: bool,
+                 overrides: dict[str, str] | None = None) -> torch.nn.Module:
     """``model`` made tensor-parallel; ``partial_gradients="transformers"``: the per-head norms kept out of our plan
     and given transformers' own post-accumulate-grad all-reduce instead."""
     if partial_gradients == "per-backward":
-        return TP.tensor_parallel(model, mesh, vocab_parallel=vocab_parallel)
+        return TP.tensor_parallel(model, mesh, vocab_parallel=vocab_parallel, plan_overrides=overrides)
     from transformers.distributed.tensor_parallel import ReplicatedWithGradAllReduce
 
     partial = TP.translate(model, mesh.size()).partial_gradients  # Qwen3's q_norm / k_norm modules
@@ -186,7 +202,7 @@ def build(family: str, role: str, mesh, partial_gradients: str, vocab_parallel: 
     if role == "critic":
         model = H.critic_from(model)
     reference = copy.deepcopy(model)
-    parallelized(model, mesh, partial_gradients, vocab_parallel)
+    parallelized(model, mesh, partial_gradients, vocab_parallel, PLAN_OVERRIDES.get(family))
     head = model.get_output_embeddings().weight
     # what vocab_parallel decides: the LM head split by vocabulary, or whole (a critic's scalar head always whole)
     assert isinstance(head, DTensor) == (vocab_parallel and role == "policy"), (family, role, type(head))
