@@ -3,7 +3,10 @@
 The first phase of ``benchmarks/gpu.sh`` (about 90 s at most): if anything later fails, these lines say on which
 software and hardware, and whether prefix attention's kernels agree with the model's attention on this device
 (every case, tensor and dtype of :mod:`lightning_dta.engine.attention_check`, the long multi-tile case on CUDA
-included). It also times a large matrix product, the rate the bench budgets are sized from, and writes
+included), and whether the recurrent mixers' kernels (fla, causal-conv1d, mamba_ssm where installed) agree with
+their pure-PyTorch path, initial-state gradients included (:mod:`lightning_dta.engine.recurrent_check`, one
+Gated DeltaNet, short-convolution and Mamba2 mixer each).
+It also times a large matrix product, the rate the bench budgets are sized from, and writes
 ``readiness.json`` beside the results.
 
     python3 benchmarks/gpu_readiness.py --out bench_out/gpu --shape 16,8,128 --device cuda
@@ -23,11 +26,15 @@ import torch
 
 from lightning_dta.engine.attention_backends import BACKENDS, argument_names, choose_backend
 from lightning_dta.engine.attention_check import TENSORS, KernelRaised, measure, tolerance, verdict
+from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.prefix_attention import AttentionShape
+from lightning_dta.engine.recurrent_check import kernel_functions
+from lightning_dta.engine.recurrent_check import measure as measure_recurrent
+from lightning_dta.engine.recurrent_check import verdict as recurrent_verdict
 
 COLUMNS = ("output", *TENSORS)
 PACKAGES = ("transformers", "lightning", "accelerate", "numpy", "jsonargparse", "docstring_parser", "flash_attn",
-            "prefix_grouper", "pytest", "xdist", "hypothesis", "peft")
+            "prefix_grouper", "pytest", "xdist", "hypothesis", "peft", "fla", "causal_conv1d", "mamba_ssm")
 
 
 def versions() -> dict[str, str]:
@@ -124,6 +131,52 @@ def self_check(device: torch.device, shapes: list[tuple[int, int, int]], dtypes:
     return rows
 
 
+def recurrent_mixers(device: torch.device) -> dict[str, tuple[torch.nn.Module, int]]:
+    """One mixer per recurrent kind, built from transformers' configs at a Qwen3.5-like head size on CUDA (tiny
+    on the CPU), with the model's hidden size: Gated DeltaNet (Qwen3.5), short convolution (LFM2), Mamba2."""
+    from transformers import Lfm2Config, Mamba2Config, Qwen3_5TextConfig
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    big = device.type == "cuda"
+    hidden, heads, dim = (1024, 16, 128) if big else (32, 4, 8)
+    torch.manual_seed(0)
+    gdn = Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(
+        hidden_size=hidden, num_hidden_layers=1, layer_types=["linear_attention"], linear_num_value_heads=heads,
+        linear_num_key_heads=heads // 2, linear_key_head_dim=dim, linear_value_head_dim=dim), 0)
+    conv = Lfm2ShortConv(Lfm2Config(hidden_size=hidden, num_hidden_layers=1, full_attn_idxs=[]), 0)
+    mamba = Mamba2Mixer(Mamba2Config(hidden_size=hidden, num_heads=2 * hidden // 64, head_dim=64,
+                                     state_size=128 if big else 16, n_groups=1, num_hidden_layers=1), 0)
+    return {"Gated DeltaNet": (gdn, hidden), "short convolution": (conv, hidden), "Mamba2": (mamba, hidden)}
+
+
+def recurrent_self_check(device: torch.device, dtypes: list[torch.dtype]) -> list[dict]:
+    """Every figure of the recurrent mixers' self-check, per mixer kind and dtype, printed as it is measured."""
+    rows = []
+    for kind_name, (mixer, hidden) in recurrent_mixers(device).items():
+        functions = sorted(kernel_functions(sys.modules[type(mixer).__module__]))
+        for dtype in dtypes:
+            mixer.to(device=device, dtype=dtype)
+            label = f"{kind_name:<18} {str(dtype):<15}"
+            start = time.perf_counter()
+            try:
+                figures = measure_recurrent(mixer, LAYER_KINDS[mixer.layer_type], hidden, device, dtype)
+            except Exception as error:  # the kernel path raised: a verdict, printed and recorded
+                print(f"  {label}: FAILED, the kernel path raised ({type(error).__name__}: {error})")
+                rows.append({"mixer": kind_name, "dtype": str(dtype), "raised": str(error)})
+                continue
+            reason = recurrent_verdict(type(mixer).__name__, functions, device, dtype, figures)
+            worst = max(figures, key=lambda f: f.error)
+            print(f"  {label}: {'agrees' if reason is None else 'DISAGREES'} ({time.perf_counter() - start:.1f} s; "
+                  f"worst {worst.error:.1e} in {worst.tensor}); "
+                  + ", ".join(f"{f.tensor} {f.error:.1e}" for f in figures if "state" in f.tensor or
+                              f.tensor in ("output", "input gradient")))
+            rows.append({"mixer": kind_name, "dtype": str(dtype), "functions": functions, "verdict": reason,
+                         "figures": [{"tensor": f.tensor, "error": f.error} for f in figures]})
+    return rows
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     heads, kv_heads, head_dim = (int(x) for x in text.split(","))
     return heads, kv_heads, head_dim
@@ -159,12 +212,17 @@ def main(argv: list[str] | None = None) -> int:
     print("== prefix attention's self-check: relative difference from the model's attention, per case and tensor")
     dtypes = [torch.bfloat16, torch.float16] if device.type == "cuda" else [torch.float32, torch.bfloat16]
     record["self_check"] = self_check(device, shapes, dtypes)
+    print("== recurrent mixers' self-check: the model's kernels against the pure-PyTorch path, initial-state "
+          "gradients included")
+    recurrent_dtypes = [torch.bfloat16, torch.float32] if device.type == "cuda" else [torch.float64]
+    record["recurrent_self_check"] = recurrent_self_check(device, recurrent_dtypes)
     if args.out:
         path = Path(args.out) / "readiness.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record, indent=1, default=str))
         print(f"wrote {path}")
-    failed = [r for r in record["self_check"] if r.get("verdict") or r.get("raised")]
+    checks = (*record["self_check"], *record["recurrent_self_check"])
+    failed = [r for r in checks if r.get("verdict") or r.get("raised")]
     return 1 if failed else 0
 
 

@@ -34,6 +34,7 @@ from lightning_dta.engine.prefix_attention import (
     probe,
     unsupported_reason,
 )
+from lightning_dta.engine.recurrent_check import check_recurrent_kernels
 
 
 @dataclass(frozen=True)
@@ -195,6 +196,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
         check_layer_kinds(model, kinds)
     if uses_cache and (reason := dynamic_mask_reason(model, attention_configs(model))):
         raise ModelNotSupportedError(f"{reason}.")
+    if uses_cache and is_recurrent(kinds) and first.device.type == "cuda":  # the mixers may call CUDA kernels
+        check_recurrent_kernels(model, kinds, first.device, first.dtype)
     configs, backend = (), None
     if uses_cache and prefix_attention and is_recurrent(kinds):
         raise ModelNotSupportedError(
