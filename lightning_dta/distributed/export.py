@@ -127,6 +127,18 @@ def check_output(out: Path, force: bool) -> None:
                           "into it (files of the same names are replaced)")
 
 
+def saved_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` writes, under the names it writes them: transformers 5 saves in the layout of
+    the family's original checkpoints, reverting the renames and merges it applies at load (Nemotron-H's
+    ``model.`` is ``backbone.`` on disk; MoE experts fused in the model are stored one per expert). Renamed tensors
+    are the model's own; only merged or split ones are new."""
+    try:  # transformers >= 5.0 (the project's floor); a release without it saves the module names as they are
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return model.state_dict()
+    return revert_weight_conversion(model, model.state_dict())
+
+
 def verify_export(written: Path, model: nn.Module, out: Path) -> None:
     """Read back what ``save_pretrained`` wrote into ``written`` (the export bound for ``out``, named in the
     errors): ``config.json`` with the model's type, and safetensors holding every tensor of ``model`` bitwise (a
@@ -142,7 +154,7 @@ def verify_export(written: Path, model: nn.Module, out: Path) -> None:
         (["model.safetensors"] if (written / "model.safetensors").is_file() else [])
     if not files:
         raise ExportError(f"the export to {out} wrote no safetensors; {kept}")
-    expected = model.state_dict()
+    expected = saved_state(model)
     stored: dict[int, str] = {}
     for name in files:
         with safe_open(str(written / name), framework="pt") as weights:
