@@ -46,9 +46,11 @@ LOGGED = ("rollout/reward_mean", "rollout/reward_std", "rollout/response_tokens_
           "throughput/logical_tokens_per_sec", "train/compression_ratio", "train/approx_kl", "train/ratio_mean")
 
 
-def run_toy(tmp_path: Path, mode: str, *extra: str) -> tuple[list[dict[str, float]], list[dict[str, float]], Path]:
-    """Fit the shipped config; return the callback's per-step history, the CSV rows and the log directory."""
-    args = ["fit", "--config", str(REPO / "configs" / "toy_rl_cpu.yaml"), f"--trainer.max_steps={STEPS}",
+def run_toy(tmp_path: Path, mode: str, *extra: str, config: Path = REPO / "configs" / "toy_rl_cpu.yaml"
+            ) -> tuple[list[dict[str, float]], list[dict[str, float]], Path]:
+    """Fit the shipped config (or ``config``); return the callback's per-step history, the CSV rows and the log
+    directory."""
+    args = ["fit", "--config", str(config), f"--trainer.max_steps={STEPS}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
             f"--data.source.init_args.rollout_mode={mode}", *extra]
     argv = sys.argv
@@ -148,6 +150,36 @@ def test_toy_rl_learns_with_ppo_a_critic_and_gae(tmp_path):
     assert last >= first + MARGIN, f"PPO+GAE reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"
     mse = [r["critic/value_mse"] for r in rows if "critic/value_mse" in r]
     assert len(mse) == STEPS and statistics.fmean(mse[-WINDOW:]) < statistics.fmean(mse[:WINDOW])  # it learns
+
+
+# A tiny Qwen3.5 of the toy's size: a Gated DeltaNet layer, then attention.
+HYBRID = dict(model_type="qwen3_5_text", vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              layer_types=["linear_attention", "full_attention"], num_attention_heads=4, num_key_value_heads=4,
+              head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, linear_conv_kernel_dim=4, max_position_embeddings=64,
+              tie_word_embeddings=False)
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_toy_rl_learns_with_a_hybrid_policy(tmp_path):
+    """The shipped config with a hybrid policy (Qwen3.5's Gated DeltaNet next to attention): HF generation with its
+    own recurrent cache, the tree walk handing recurrent states between nodes, the reward rising. The SFT warm start
+    is cut to 20 steps (with the config's 80 the hybrid already solves the task: 0.957 -> 0.993), so RL has
+    something to learn. Measured, seed 0, 100 steps: 0.281 -> 0.868 (first and last 10 steps), compression 2.0x
+    -> 3.9x; about 2 minutes on 2 busy cores."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "configs" / "toy_rl_cpu.yaml").read_text())
+    config["model"]["model"] = HYBRID
+    (online,) = [c for c in config["trainer"]["callbacks"] if c["class_path"].endswith("OnlineRLCallback")]
+    online["init_args"]["sft_warmup_steps"] = 20
+    path = tmp_path / "toy_rl_hybrid.yaml"
+    path.write_text(yaml.safe_dump(config))
+    history, rows, _ = run_toy(tmp_path, "sync", config=path)
+    first, last = rise(history)
+    assert last >= first + 0.3, f"hybrid reward {first:.3f} -> {last:.3f}: no clear rise in {STEPS} steps"
+    assert all(r["rollout/compression_ratio"] > 1.5 for r in rows)  # the tree is shared
 
 
 @pytest.mark.slow
