@@ -15,8 +15,8 @@ pure-PyTorch path, and their outputs, final states and the gradients of both w.r
 states and the mixer's parameters are compared. A difference beyond the dtype's tolerance, or a kernel that
 raises, is a verdict: reported with the measured figure, and every kernel function of that mixer's modeling module
 is replaced by its pure-PyTorch function for the rest of the process (exact, slower; HF generation in the same
-process then runs it too). An error of the check itself (out of memory, inputs) falls back for nothing and warns:
-the check runs again at the next walk.
+process then runs it too). An error of the check itself (out of memory, or the pure-PyTorch side raising) is no
+verdict: it warns, nothing falls back, and the check runs again at the next walk.
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ FIRST, SECOND = 11, 29  # the first chunk's tokens (it leaves the state), then t
 class RecurrentKernelWarning(RuntimeWarning):
     """A recurrent mixer's kernels disagreed with its pure-PyTorch path on this device (or the check could not
     run); the pure-PyTorch path is used instead."""
+
+
+class CheckNotRun(RuntimeError):
+    """The pure-PyTorch side of the check raised: no verdict on the kernels (the check runs again next time)."""
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,9 @@ def check_recurrent_kernels(model: nn.Module, kinds: tuple[str, ...], device: to
         if key not in _CHECKED:
             try:
                 _CHECKED[key] = _check_one(mixer, LAYER_KINDS[mixer.layer_type], hidden_size, device, dtype)
-            except torch.OutOfMemoryError as error:  # no verdict on the kernels: the check runs again next time
-                _warn(f"could not run the self-check of {cls.__name__}'s kernels on {device} {dtype} ({error}); "
-                      "this is no verdict, the check runs again at the next walk")
+            except (CheckNotRun, torch.OutOfMemoryError) as error:  # no verdict: the check runs again next time
+                _warn(f"could not run the self-check of {cls.__name__}'s kernels on {device} {dtype} "
+                      f"({type(error).__name__}: {error}); this is no verdict, the check runs again at the next walk")
                 continue
         if _CHECKED[key]:
             verdicts[cls.__name__] = _CHECKED[key]
@@ -128,7 +132,7 @@ def _check_one(mixer: nn.Module, kind: LayerKind, hidden_size: int, device: torc
     name = type(mixer).__name__
     try:
         reason = verdict(name, functions, device, dtype, measure(mixer, kind, hidden_size, device, dtype))
-    except torch.OutOfMemoryError:
+    except (CheckNotRun, torch.OutOfMemoryError):
         raise
     except Exception as error:  # the model's path raised where the pure-PyTorch path did not: a verdict
         reason = f"{name}'s kernels ({', '.join(functions)}) failed on {device} {dtype} ({type(error).__name__}: " \
@@ -180,7 +184,8 @@ def measure(mixer: nn.Module, kind: LayerKind, hidden_size: int, device: torch.d
             ) -> list[Figure]:
     """Relative difference of the model's path from the pure-PyTorch path, per tensor: the checked chunk's output
     and final states, and the gradients (of a random linear function of both) w.r.t. its input, its initial states
-    and the mixer's own parameters. Raises what the model's path raised."""
+    and the mixer's own parameters. Raises what the model's path raised, and :class:`CheckNotRun` where the
+    pure-PyTorch path raised."""
     module = sys.modules[type(mixer).__module__]
     gen = torch.Generator().manual_seed(0)
 
@@ -197,6 +202,10 @@ def measure(mixer: nn.Module, kind: LayerKind, hidden_size: int, device: torch.d
             with torch.no_grad():
                 _, start = _chunk(mixer, kind, first, None)
             want, want_grads = _run(mixer, kind, second, start, params, gen)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise CheckNotRun(f"the pure-PyTorch path raised {type(error).__name__}: {error}") from error
         finally:
             restore(module, replaced)
         got, got_grads = _run(mixer, kind, second, start, params, gen)

@@ -35,7 +35,12 @@ SCANS = {"qwen3_5": ("torch_chunk_gated_delta_rule", "initial_state"),
 
 @pytest.fixture(autouse=True)
 def fresh_verdicts(monkeypatch):
+    """No verdict from another test, and every kernel function a fallback replaces restored afterwards."""
     monkeypatch.setattr(recurrent_check, "_CHECKED", {})
+    for family in (*SCANS, "lfm2"):
+        module = modeling(family)
+        for name, function in recurrent_check.kernel_functions(module).items():
+            monkeypatch.setattr(module, name, function)
 
 
 def modeling(family: str):
@@ -141,3 +146,27 @@ def test_figures_cover_the_states_and_the_parameters():
                          "initial conv state gradient", "initial recurrent state gradient"]
     assert {f"{n} gradient" for n, _ in mixer.named_parameters()} == set(names[6:])
     assert max(f.error for f in figures) == 0.0
+
+
+def test_a_check_that_cannot_run_is_no_verdict(monkeypatch):
+    """The pure-PyTorch side raising is no verdict on the kernel: a warning, the kernel stays, nothing is cached
+    (the check runs again at the next walk)."""
+    model = make_model("qwen3_5")
+    module = modeling("qwen3_5")
+    real = module.torch_chunk_gated_delta_rule
+
+    def broken_reference(*args, **kwargs):
+        raise RuntimeError("the reference is broken")
+
+    broken_reference.__module__ = module.__name__  # as transformers' pure-PyTorch functions are
+
+    @functools.wraps(broken_reference)
+    def kernel(*args, **kwargs):
+        return real.__wrapped__(*args, **kwargs)
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", kernel)
+    kinds = model_layer_kinds(model.config)
+    for _ in range(2):
+        with pytest.warns(RecurrentKernelWarning, match="could not run .*the reference is broken.*no verdict"):
+            assert check_recurrent_kernels(model, kinds, CPU, torch.float64) == {}
+    assert module.torch_chunk_gated_delta_rule is kernel and recurrent_check._CHECKED == {}

@@ -22,6 +22,7 @@ import lightning_dta as dta
 from lightning_dta.engine import recurrent_check
 from lightning_dta.engine.layer_kinds import model_layer_kinds
 from lightning_dta.engine.recurrent_check import RecurrentKernelWarning, check_recurrent_kernels
+from tests.engine.test_recurrent_check import fresh_verdicts  # noqa: F401 - autouse: no verdict leaks out
 from tests.helpers.models import make_model, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads
 
@@ -29,11 +30,6 @@ pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 FAMILIES = ["qwen3_5", "lfm2", "mamba2"]  # one per mixer kind: Gated DeltaNet, short convolution, Mamba2
 KERNELS = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d", "mamba_ssm")}
-
-
-@pytest.fixture(autouse=True)
-def fresh_verdicts(monkeypatch):
-    monkeypatch.setattr(recurrent_check, "_CHECKED", {})
 
 
 def cuda_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
