@@ -2,7 +2,8 @@
 # The GPU check: one prepared run of at most 8 minutes on one H100/H200-class GPU, made for a one-shot window on a
 # machine with no network (benchmarks/gpu_run.py has the phases and budgets):
 #   1. readiness: versions, the flash kernels' schemas, the device and its capability, every self-check figure of
-#      prefix attention's kernels, the matrix-product rate (90 s at most);
+#      prefix attention's kernels and of the recurrent mixers' kernels (fla / causal-conv1d / mamba_ssm against the
+#      pure-PyTorch path, initial-state gradients included), the matrix-product rate (90 s at most);
 #   2. the GPU tests (pytest -m gpu: the kernels, exactness in float32 and bfloat16, memory flat in leaves, no host
 #      sync from the first step on; 120 s at most);
 #   3. the bench on Qwen3-0.6B- and Qwen3-1.7B-shaped models (random weights, bf16): GRPO, a multi-turn agent,
