@@ -38,15 +38,15 @@ from lightning_dta.engine.layer_kinds import LAYER_KINDS, LayerKind, cache_layer
 from lightning_dta.engine.recurrent_state import StateLayer
 
 # Largest relative difference (Frobenius norm) from the pure-PyTorch path, per tensor. The kernels compute in other
-# orders and fla's Triton kernels take TF32 dot products in float32; a dropped initial-state gradient is 1.0 (zeros
+# orders (and Triton kernels may take TF32 dot products in float32); a dropped initial-state gradient is 1.0 (zeros
 # against the true gradient), a gradient sent to the wrong head or position O(1).
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 5e-2}
 FIRST, SECOND = 11, 29  # the first chunk's tokens (it leaves the state), then the checked chunk's
 
 
 class RecurrentKernelWarning(RuntimeWarning):
-    """A recurrent mixer's kernels disagreed with its pure-PyTorch path on this device (or the check could not
-    run); the pure-PyTorch path is used instead."""
+    """A recurrent mixer's kernels disagreed with its pure-PyTorch path on this device, so that path is used instead;
+    or the check could not run (no verdict: nothing changes)."""
 
 
 class CheckNotRun(RuntimeError):
@@ -85,6 +85,7 @@ def pure_pytorch(module: ModuleType) -> dict[str, Callable]:
 
 
 def restore(module: ModuleType, replaced: dict[str, Callable]) -> None:
+    """Put back what :func:`pure_pytorch` replaced."""
     for name, value in replaced.items():
         setattr(module, name, value)
 
