@@ -309,13 +309,14 @@ class PolicyLoss(StepAggregation):
         return from_trl(config)
 
     @classmethod
-    def from_verl(cls, actor: Any, algorithm: Any = None, rollout: Any = None) -> Converted:
-        """verl's ``actor_rollout_ref.actor`` config, ``algorithm`` config and (for the temperature)
-        ``actor_rollout_ref.rollout`` config, as objects or dicts
-        (:func:`lightning_dta.core.conversions.verl.from_verl`)."""
+    def from_verl(cls, actor: Any, algorithm: Any = None, rollout: Any = None, data: Any = None,
+                  trainer: Any = None) -> Converted:
+        """verl's ``actor_rollout_ref.actor`` config, ``algorithm`` config, (for the temperature)
+        ``actor_rollout_ref.rollout`` config and (for the mini-batches) ``data`` and ``trainer`` configs, as objects
+        or dicts (:func:`lightning_dta.core.conversions.verl.from_verl`)."""
         from lightning_dta.core.conversions.verl import from_verl
 
-        return from_verl(actor, algorithm, rollout)
+        return from_verl(actor, algorithm, rollout, data, trainer)
 
     @classmethod
     def from_areal(cls, actor: Any) -> Converted:
