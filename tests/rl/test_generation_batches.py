@@ -75,8 +75,6 @@ def test_a_source_resumed_in_the_middle_of_a_generation_batch_hands_out_its_next
 
 
 def test_settings_that_do_not_fit_are_refused() -> None:
-    with pytest.raises(ConfigError, match="sync mode only.*Fix: "):
-        two_turn_source(rollout_mode="async")
     with pytest.raises(ConfigError, match="data.generation.*Fix: "):
         RolloutDataModule(source=two_turn_source(), generation=GenerationBatches(steps_per_generation=2))
 
