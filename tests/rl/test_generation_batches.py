@@ -190,3 +190,26 @@ def test_decoupled_ppo_takes_the_proximal_logprobs_once_per_generation_batch() -
     moved = dta.tree_logprobs(snapshots[1], tree)
     assert max(abs(r.prox_logprobs[t] - float(lp[t - 1])) for r, lp in zip(steps[1], moved)
                for t, m in enumerate(r.loss_mask) if m) > 1e-3
+
+
+def test_an_async_source_resumed_in_the_middle_of_a_batch_pins_the_next_batch_after_its_remaining_steps() -> None:
+    """max_staleness 0, 2 steps per batch, stopped after step 0 (at version 1): the resumed source first hands out
+    step 1 of batch 0 from the checkpoint, trained at version 1, and generates batch 1 with the weights after it
+    (version 2), fresh as the bound says, not with the weights it was attached with."""
+    src = two_turn_source(rollout_mode="async", max_staleness=0)
+    src.attach(tiny_policy())
+    try:
+        src.next_step()
+        src.update_policy(src.policy, 1)
+        state = src.state_dict()
+    finally:
+        src.close()
+    resumed = two_turn_source(rollout_mode="async", max_staleness=0)
+    resumed.load_state_dict(state)
+    resumed.attach(tiny_policy(), version=1)
+    try:
+        infos = drive(resumed, steps=3, start_version=1)
+    finally:
+        resumed.close()
+    assert [(i.index, i.policy_version, i.trained_version) for i in infos] == [(0, 0, 1), (1, 2, 2), (1, 2, 3)]
+    assert resumed.generator.versions and set(resumed.generator.versions) <= {2, 4}
