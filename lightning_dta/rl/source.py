@@ -218,7 +218,7 @@ class OnlineRolloutSource:
 
     def _take_step(self) -> tuple[str, list[Rollout]]:
         """The next optimizer step: the current generation batch's next one, generating a new batch when none is
-        left (its advantages over the whole batch, then its split)."""
+        left (its advantages over the whole batch, then its split, and with decoupled PPO its proximal log-probs)."""
         batch = None
         if not self._steps_left:
             batch = self.next_rollouts()
