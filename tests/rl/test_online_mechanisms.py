@@ -147,8 +147,8 @@ def test_generation_batches_on_two_ranks_are_the_one_rank_steps(tmp_path: Path) 
     for step in range(RECORDED):
         assert [(r[0], r[1], r[4]) for r in merged[step]] == [(r[0], r[1], r[4]) for r in one[step]]
         worst = max(abs(a - b) for x, y in zip(one[step], merged[step]) for a, b in zip(x[3], y[3]))
-        assert worst < 1e-5, (step, worst)  # the critic's values: of weights a 2-rank step rounded otherwise
+        assert worst < 1e-7, (step, worst)  # measured 0, 0, 1.9e-9: the critic's weights rounded otherwise
     assert sum(len(record["rollouts"][1]) for record in two) == len(one[1])  # the step's rollouts, shared out
     for name, weight in whole["weights"].items():
         assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
-        torch.testing.assert_close(two[0]["weights"][name], weight, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(two[0]["weights"][name], weight, rtol=0, atol=2e-6, msg=name)  # measured 4.4e-7
