@@ -256,14 +256,18 @@ def _whitened_by_hand(rollouts: list[Rollout]) -> dict[tuple, list[float]]:
                      for t, a in enumerate(r.advantages)] for r in rollouts}
 
 
-def _gae_run(tmp_path: Path, path: Path, max_steps: int, callbacks=(), ckpt=None, save=None) -> dta.DTAModule:
-    """A critic (whiten) on generation batches of 2 steps of whole groups from ``path``, SGD for both models."""
+def _gae_run(tmp_path: Path, path: Path, max_steps: int, callbacks=(), ckpt=None, save=None,
+             iterable: bool = False) -> dta.DTAModule:
+    """A critic (whiten) on generation batches of 2 steps of whole groups from ``path`` (or, ``iterable``, its
+    rollouts as one item of an iterable source), SGD for both models."""
     _, critic = _rewarded_rollouts_and_critic()
     module = dta.DTAModule(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
                            critic=dta.PPOCritic(critic, optimizer=functools.partial(torch.optim.SGD, lr=0.5),
                                                 gamma=0.9, lam=0.8, whiten=True))
-    data = RolloutDataModule(path=path, advantage_estimator="gae", rollouts_per_step=6,  # x 2: the file's 12
-                             generation=GenerationBatches(steps_per_generation=2))
+    generation = GenerationBatches(steps_per_generation=2)
+    data = RolloutDataModule(source=[dta.read_rollouts(path)], advantage_estimator="gae", generation=generation) \
+        if iterable else RolloutDataModule(path=path, advantage_estimator="gae", rollouts_per_step=6,  # x 2: all 12
+                                           generation=generation)
     fit = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                     default_root_dir=tmp_path, callbacks=list(callbacks))
@@ -273,7 +277,8 @@ def _gae_run(tmp_path: Path, path: Path, max_steps: int, callbacks=(), ckpt=None
     return module
 
 
-def test_a_critic_estimates_gae_once_over_the_whole_generation_batch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("iterable", [False, True], ids=["file", "iterable"])
+def test_a_critic_estimates_gae_once_over_the_whole_generation_batch(tmp_path: Path, iterable: bool) -> None:
     """verl's order: the critic's values of the whole generation batch before its first update, GAE per rollout and
     its whitening over the whole batch, then the split. Step 2 trains on those, although the critic was updated by
     step 1: its values, and a whitening over step 2 alone, would give other advantages."""
@@ -284,7 +289,7 @@ def test_a_critic_estimates_gae_once_over_the_whole_generation_batch(tmp_path: P
     expected = _whitened_by_hand(gae)
     values = {key(r): r.old_values for r in gae}
     steps = _StepTrees()
-    _gae_run(tmp_path, path, 2, callbacks=[steps])
+    _gae_run(tmp_path, path, 2, callbacks=[steps], iterable=iterable)
     assert [len(step) for step in steps.rollouts] == [4, 8]  # whole groups of 4: 1 and 2 of the batch's 3
     for step in steps.rollouts:
         for r in step:
