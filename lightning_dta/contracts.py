@@ -175,7 +175,9 @@ class StepSource(Protocol):
         """Steps per epoch. A source that cannot know raises ``TypeError`` (Lightning's "no length")."""
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Complete this rank's share of a step before it is trained (every rank calls it, also without a tree)."""
+        """Complete this rank's share of a step before it is trained (every rank calls it, also without a tree); a
+        source whose generation batches feed several steps sets ``batch.generation``, the step's place in its batch
+        (what a critic estimates once per batch, :class:`~lightning_dta.core.generation.GenerationContext`)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue where this one stopped."""
