@@ -6,7 +6,9 @@
 - with in-process HF generation the gap of every step is float rounding (max below 1e-5; measured: see the test);
 - a generator whose log-probs are off, or whose weights are not synced, trips ``max_logprob_gap`` with the numbers,
   which are the definition's; through ``lightning-dta fit`` that is one line and exit 2;
-- ``time/weight_sync_sec`` is the hand-over alone, and ``time/step_sec`` runs until the weights are handed back.
+- ``time/weight_sync_sec`` is the hand-over alone (in-process copy or a server's weight sync, not the async wait
+  for the generation thread), and ``time/step_sec`` runs until the weights are handed back; an
+  ``OpenAICompatibleGenerator``'s log-probs are watched like the in-process generator's.
 The 2-rank reduction (the largest, the token-weighted means) is in tests/lightning/test_distributed.py.
 """
 
@@ -29,6 +31,8 @@ from lightning_dta.core.errors import ConfigError
 from lightning_dta.lightning.data import RolloutDataModule
 from lightning_dta.rl import HFGenerator, OnlineRLCallback, OnlineRolloutSource, ReverseDigits
 from lightning_dta.rl.gap import LogprobGap, LogprobGapError
+from lightning_dta.rl.generation import Generator
+from lightning_dta.rl.server import OpenAICompatibleGenerator
 from tests.helpers.lightning import grpo_rollouts, tiny_llama
 from tests.helpers.online import small_config
 from tests.helpers.reference import reference_logprob_gap
@@ -39,6 +43,7 @@ from tests.helpers.rl import (
     UnsyncedHFGenerator,
     tiny_policy,
 )
+from tests.helpers.server import FakeServer
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
 
@@ -82,7 +87,7 @@ class GapReference(Callback):
         self.logged.append(LogprobGap.from_metrics(outputs["step"].metrics))
 
 
-def online_fit(generator: HFGenerator, steps: int, max_logprob_gap: float | None = None,
+def online_fit(generator: Generator, steps: int, max_logprob_gap: float | None = None,
                **source_options) -> tuple[GapReference, OnlineRLCallback]:
     source = OnlineRolloutSource(ReverseDigits(), generator, prompts_per_step=4, samples_per_prompt=2,
                                  max_logprob_gap=max_logprob_gap, **source_options)
@@ -176,6 +181,27 @@ def test_weight_sync_time_is_the_hand_over_and_the_step_time_includes_it() -> No
         assert 0.3 <= metrics["time/weight_sync_sec"] < 0.6, metrics
         parts = metrics["time/wait_sec"] + metrics["time/train_sec"] + metrics["time/weight_sync_sec"]
         assert metrics["time/step_sec"] >= parts, metrics  # asked for the step -> weights handed back
+
+
+def test_a_servers_phases_are_timed_and_its_logprobs_watched() -> None:
+    """OpenAICompatibleGenerator (disaggregated) with a weight sync of 0.2 s: each phase is timed as for the
+    in-process generator, and the fake server's made-up log-probs show as the definition's gap."""
+    syncs = []
+
+    def weight_sync(model, version):
+        time.sleep(0.2)
+        syncs.append(version)
+
+    with FakeServer() as server:
+        generator = OpenAICompatibleGenerator(server.url, "toy", max_new_tokens=6, weight_sync=weight_sync)
+        reference, callback = online_fit(generator, steps=2)
+    assert syncs == [0, 1, 2]  # attach, then after each optimizer step
+    for metrics in callback.history:
+        assert metrics["time/generation_sec"] > 0 and 0.2 <= metrics["time/weight_sync_sec"] < 0.5, metrics
+        parts = metrics["time/wait_sec"] + metrics["time/train_sec"] + metrics["time/weight_sync_sec"]
+        assert metrics["time/step_sec"] >= parts, metrics
+    for logged, definition in zip(reference.logged, reference.references):
+        assert definition[0] > 0.1 and close(logged, definition, atol=1e-5), (logged, definition)
 
 
 def test_async_weight_sync_time_leaves_out_the_wait_for_the_generation_thread() -> None:
