@@ -124,7 +124,12 @@ class Objective(Protocol):
     """whether the loss is 0 when every advantage is 0 (then a step of zero advantages trains nothing: warned)."""
 
     metric_sums: tuple[str, ...]
-    """names of the raw sums the objective accumulates (added over chunks, trees and ranks before ratios)."""
+    """names of the raw statistics the objective accumulates: sums (added over chunks, trees and ranks before
+    ratios), and the maxima among them that ``metric_maxima`` names."""
+
+    metric_maxima: tuple[str, ...]
+    """those of ``metric_sums`` that are maxima: the loss keeps the largest over its chunks, a distributed step
+    the largest over ranks (e.g. the largest log-prob gap of the step)."""
 
     def prepare(self, tokens: StepTokens) -> StepTokens:
         """What the loss decides before the walk from the rollouts alone: which (token, rollout) pairs it trains and

@@ -236,7 +236,9 @@ class DTAModule(DFSStepMixin, LightningModule):
                              "data module, or on the online source)")
 
     @override
-    def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> dict[str, Any]:
+        """One optimizer step; returns the loss and, under ``"step"``, the :class:`StepOutput` (callbacks read it
+        in ``on_train_batch_end``: the online RL callback checks the log-prob gap)."""
         tree = batch_tree(batch)
         layout = self.layout
         if self.critic is not None:
@@ -260,7 +262,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         data = self._tree_data
         if data is not None and isinstance(batch, StepBatch):  # the partition's cost model learns from the times
             data.observe_step(batch, out.rank_seconds)
-        return torch.tensor(out.loss)
+        return {"loss": torch.tensor(out.loss), "step": out}
 
     def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None, lr: float) -> None:
         """Log the step's metrics. They are step-wide and identical on every rank, so no ``sync_dist``."""

@@ -77,6 +77,7 @@ from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unshard
 from lightning_dta.engine import EngineOptions, tree_logprobs
 from lightning_dta.lightning.sources import check_same_generation, validated_step
 from lightning_dta.rl.environment import Environment, run_episodes
+from lightning_dta.rl.gap import check_max_logprob_gap
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
@@ -132,6 +133,13 @@ class OnlineRolloutSource:
             prompt has as many calls; otherwise cut where the steps' calls come closest to equal). The rollouts
             keep the generating policy's log-probs as ``old_logprobs``, so from the second step on the PPO ratio
             departs from 1 and the clip binds. Default: one step per generation batch.
+        max_logprob_gap: stop the run when a step trained with the weights that generated it (staleness 0) has a
+            sampled token whose trainer log-prob is further than this from the generator's
+            (:mod:`lightning_dta.rl.gap`; checked by :class:`~lightning_dta.rl.OnlineRLCallback`). ``None``
+            (default): no bound, the gap is still logged every step. No value is safe for every engine: a float32
+            in-process generator is at float rounding (at most 2.7e-5 measured on the toy task), a bf16 server beside a
+            float32 trainer is expected to differ by much more on its rarest tokens; ``1e-3`` suits float32 engines
+            (``docs/rl.md``, "The log-prob gap").
 
     The forward-only walks (``prox``/``ref`` log-probs) use the :class:`~lightning_dta.EngineOptions` given to
     :meth:`attach`: the training module's, so one engine block in a config serves every engine call of a step.
@@ -145,8 +153,9 @@ class OnlineRolloutSource:
                  ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None,
                  advantage_options: dict[str, Any] | None = None,
-                 generation: GenerationBatches | None = None) -> None:
+                 generation: GenerationBatches | None = None, max_logprob_gap: float | None = None) -> None:
         generation = GenerationBatches.resolve(generation)
+        check_max_logprob_gap(max_logprob_gap)
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):
@@ -180,6 +189,7 @@ class OnlineRolloutSource:
         self.generation_blocks = generation_blocks
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
         self.ref_logprobs = ref_logprobs
+        self.max_logprob_gap = max_logprob_gap
         self.seed, self.add_bos, self.max_context = seed, add_bos, max_context
         self.policy: nn.Module | None = None
         self.ref_model: nn.Module | None = None
@@ -187,7 +197,7 @@ class OnlineRolloutSource:
         self.last_step: StepInfo | None = None  # the last generation batch (by default: the last step)
         self.last_step_logical_tokens = 0  # the last optimizer step handed out (a part of last_step's batch)
         self.history: list[StepInfo] = []  # every step handed out, in order
-        self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
+        self.last_weight_sync_sec = 0.0  # how long the latest weight hand-over took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next generation batch to generate
         self._steps_left: list[list[Rollout]] = []  # the current generation batch's steps not handed out yet
@@ -367,7 +377,8 @@ class OnlineRolloutSource:
 
     def update_policy(self, policy: nn.Module, version: int) -> None:
         """Call after every optimizer step, on every rank: the generator follows ``policy``'s weights, tagged
-        ``version`` (in-process copy, or the server's weight sync). The time it takes is ``last_weight_sync_sec``.
+        ``version`` (in-process copy, or the server's weight sync). The hand-over's own time is
+        ``last_weight_sync_sec`` (in async mode, not the wait for the generation thread before it).
 
         In async mode this first waits until the background thread has generated the generation batches pinned to
         the weights it holds, so a copy never mixes two versions into one generation and every batch gets its
@@ -378,18 +389,18 @@ class OnlineRolloutSource:
         if version < self._version:
             raise ConfigError(f"policy version {version} must not go back (the policy is at version {self._version}); "
                              "pass the optimizer step count, e.g. trainer.global_step")
-        start = time.perf_counter()
 
         def load() -> None:
+            start = time.perf_counter()
             if self._syncs_weights:
                 self.generator.update_weights(policy, version)
+            self.last_weight_sync_sec = time.perf_counter() - start
 
         if self._producer is None:
             load()
         else:
             self._producer.publish(version, load)
         self._version = version
-        self.last_weight_sync_sec = time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the background thread (if any) and wait for it; steps generated but not trained are counted in
