@@ -32,7 +32,10 @@ line is caught and refused.
 
 Sampling matches :class:`~lightning_dta.rl.server.OpenAICompatibleGenerator`'s requests to a vLLM server: one
 ``SamplingParams`` per prompt with the prompt's own seed (``seed % 2**31``), ``temperature``, ``top_p``,
-``top_k``, the stop tokens, and ``logprobs=0`` (the sampled token's log-prob only). vLLM seeds each request's
+``top_k``, the stop tokens, and ``logprobs=0`` (the sampled token's log-prob only). Also ``ignore_eos=True``: vLLM
+otherwise also stops on the model config's ``eos_token_id`` (even with ``generation_config="vllm"``), which need not
+be the tokenizer's (a default ``LlamaConfig`` says 2); with it, exactly the stop tokens stop a call, as in
+:class:`~lightning_dta.rl.HFGenerator`. vLLM seeds each request's
 sampler, so a completion depends on its prompt and seed, not on the batch; the same engine version, dtype and
 seeds give the same tokens as the server (``tests/rl/test_vllm_colocated.py``).
 
@@ -264,7 +267,8 @@ class VLLMGenerator(Generator):
                                   "(start prompts with a BOS token)")
         params = [sampling_params(n=1, max_tokens=self.max_new_tokens, temperature=self.temperature,
                                   top_p=self.top_p, top_k=self.top_k, seed=s % 2**31, logprobs=0,
-                                  stop_token_ids=self.stop_ids, detokenize=False, skip_special_tokens=False)
+                                  stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
+                                  skip_special_tokens=False)
                   for s in row_seeds(seed, len(prompts))]
         outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [self._completion(output, number) for number, output in enumerate(outputs)]

@@ -7,6 +7,7 @@ position, in float32.
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -162,7 +163,7 @@ def test_outputs_become_completions_with_the_sampled_tokens_log_probs(fake):
     assert [p["seed"] for p in params] == [s % 2**31 for s in row_seeds(2**40 + 7, 3)]  # as the server client sends
     assert params[0] | {"seed": None} == {
         "n": 1, "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": None, "logprobs": 0,
-        "stop_token_ids": [EOS, 13], "detokenize": False, "skip_special_tokens": False}
+        "stop_token_ids": [EOS, 13], "ignore_eos": True, "detokenize": False, "skip_special_tokens": False}
 
 
 def test_malformed_outputs_are_refused(fake):
@@ -223,6 +224,13 @@ def gap(model: torch.nn.Module, prompts: list[list[int]], completions) -> float:
 LONG = [2] + [3, 17, 29, 41, 5] * 40  # 201 tokens: more than one CPU KV block (128), so the prefix cache keeps one
 
 
+@pytest.fixture(autouse=True)
+def destroy_process_group():
+    """Replaces conftest's: the in-process engine owns this process's one-rank process group until it shuts down
+    (the ``real`` fixture's teardown)."""
+    yield
+
+
 @pytest.fixture(scope="module")
 def real():
     if not HAS_VLLM:
@@ -230,10 +238,15 @@ def real():
     generator = VLLMGenerator(max_new_tokens=12, engine_args={"max_model_len": 512, "enforce_eager": True,
                                                               "kv_cache_memory_bytes": 64 << 20})
     generator.attach(servable_llama(0), eos_token_id=EOS, pad_token_id=0, share_weights=False)
-    return generator
+    yield generator
+    generator.llm = None  # the engine shuts down when collected, and destroys the process group it made
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_real_vllm_samples_with_the_policys_log_probs_per_prompt_seed(real):
     policy = servable_llama(0)
     real.update_weights(policy, 0)
@@ -250,6 +263,7 @@ def test_real_vllm_samples_with_the_policys_log_probs_per_prompt_seed(real):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_real_vllm_weight_update_reaches_long_cached_prompts(real, monkeypatch):
     """After an update, a prompt longer than a KV block comes back with the new weights' log-probs; without the
     prefix-cache reset it would not (checked here too, so the test cannot pass for want of a cached block)."""
@@ -272,6 +286,7 @@ def test_real_vllm_weight_update_reaches_long_cached_prompts(real, monkeypatch):
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_real_vllm_refuses_a_policy_that_leaves_weights_unloaded(real, monkeypatch):
     policy = servable_llama(0)
     everything = vllm_colocated.full_parameters
