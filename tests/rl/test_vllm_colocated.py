@@ -8,6 +8,7 @@ position, in float32.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib.metadata
 import importlib.util
@@ -364,3 +365,27 @@ def test_real_vllm_colocated_rollouts_equal_a_vllm_servers_for_the_same_seeds(re
     assert [c.token_ids for c in served] == [c.token_ids for c in colocated]
     assert [c.logprobs for c in served] == [c.logprobs for c in colocated]  # measured: bitwise
     assert len({tuple(c.token_ids) for c in colocated}) > 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_in_a_lightning_fit_follows_every_optimizer_step(real):
+    """Through the Trainer (sync, one process): the engine is attached by the callback, gets the weights after every
+    optimizer step, and ends with the trained policy's log-probs on a prompt past the cached block."""
+    import lightning as L
+
+    import lightning_dta as dta
+    from lightning_dta.rl import OnlineRLCallback, OnlineRolloutSource, ReverseDigits
+
+    policy = servable_llama(0)
+    source = OnlineRolloutSource(ReverseDigits(), real, prompts_per_step=4, samples_per_prompt=2, seed=0)
+    module = dta.DTAModule(policy, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
+    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=3, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[OnlineRLCallback(print_every_n_steps=0, reward_plot=None)])
+    real.generate([LONG], seed=[0])  # the long prompt's first block cached with the initial weights
+    trainer.fit(module, dta.RolloutDataModule(source=source))
+    assert real.version == trainer.global_step == 3
+    trained = module.model
+    assert not torch.equal(trained.model.norm.weight, servable_llama(0).model.norm.weight)
+    assert gap(trained, [LONG], real.generate([LONG], seed=[0])) < 1e-5
