@@ -28,6 +28,7 @@ import torch
 from packaging.requirements import Requirement
 
 from lightning_dta.core.errors import ConfigError
+from lightning_dta.distributed.sharding import copy_weights, is_sharded
 from lightning_dta.rl import vllm_colocated
 from lightning_dta.rl.generation import row_seeds
 from lightning_dta.rl.server import OpenAICompatibleGenerator
@@ -375,9 +376,11 @@ def test_real_vllm_colocated_rollouts_equal_a_vllm_servers_for_the_same_seeds(re
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_real_vllm_in_a_lightning_fit_follows_every_optimizer_step(real):
-    """Through the Trainer (sync, one process): the engine is attached by the callback, gets the weights after every
-    optimizer step, and ends with the trained policy's log-probs on a prompt past the cached block."""
+@pytest.mark.parametrize("strategy", ["dta", "dta_fsdp"])
+def test_real_vllm_in_a_lightning_fit_follows_every_optimizer_step(real, strategy):
+    """Through the Trainer (sync, one process; replicated or FSDP2-sharded, whose weights are gathered): the engine is
+    attached by the callback, gets the weights after every optimizer step, and ends with the trained policy's
+    log-probs on a prompt past the cached block."""
     import lightning as L
 
     import lightning_dta as dta
@@ -386,13 +389,14 @@ def test_real_vllm_in_a_lightning_fit_follows_every_optimizer_step(real):
     policy = servable_llama(0)
     source = OnlineRolloutSource(ReverseDigits(), real, prompts_per_step=4, samples_per_prompt=2, seed=0)
     module = dta.DTAModule(policy, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2))
-    trainer = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=3, logger=False,
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=3, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[OnlineRLCallback(print_every_n_steps=0, reward_plot=None)])
     real.generate([LONG], seed=[0])  # the long prompt's first block cached with the initial weights
     trainer.fit(module, dta.RolloutDataModule(source=source))
-    assert real.version == trainer.global_step == 3
-    trained = module.model
+    assert real.version == trainer.global_step == 3 and is_sharded(module.model) == (strategy == "dta_fsdp")
+    trained = servable_llama(0)
+    copy_weights(module.model, trained)  # gathered from the shards under dta_fsdp
     assert not torch.equal(trained.model.norm.weight, servable_llama(0).model.norm.weight)
     assert gap(trained, [LONG], real.generate([LONG], seed=[0])) < 1e-5
 
