@@ -203,7 +203,7 @@ class VLLMGenerator(Generator):
             ``load_format="dummy"``) cannot be changed.
     """
 
-    placement = "disaggregated"  # one engine, on rank 0 (module docstring)
+    placement = "disaggregated"  # one engine in one process (module docstring): the source does not split the step
 
     def __init__(self, max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  stop_token_ids: list[int] | None = None, engine_args: dict[str, Any] | None = None) -> None:
@@ -262,7 +262,7 @@ class VLLMGenerator(Generator):
             return build_llm(**args)
 
     def update_weights(self, policy: nn.Module, version: int) -> None:
-        """Hand the engine ``policy``'s parameters (gathered one at a time when sharded; every rank calls this),
+        """Hand the engine ``policy``'s parameters (gathered one at a time when sharded, e.g. ``dta_fsdp``),
         then drop every prefix-cache block computed with the old ones."""
         if self.llm is None:
             raise RuntimeError("VLLMGenerator.update_weights before attach(): the engine is not started yet")
