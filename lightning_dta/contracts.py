@@ -124,7 +124,12 @@ class Objective(Protocol):
     """whether the loss is 0 when every advantage is 0 (then a step of zero advantages trains nothing: warned)."""
 
     metric_sums: tuple[str, ...]
-    """names of the raw sums the objective accumulates (added over chunks, trees and ranks before ratios)."""
+    """names of the raw statistics the objective accumulates: sums (added over chunks, trees and ranks before
+    ratios), and the maxima among them that ``metric_maxima`` names."""
+
+    metric_maxima: tuple[str, ...]
+    """those of ``metric_sums`` that are maxima: the loss keeps the largest over its chunks, a distributed step
+    the largest over ranks (e.g. the largest log-prob gap of the step)."""
 
     def prepare(self, tokens: StepTokens) -> StepTokens:
         """What the loss decides before the walk from the rollouts alone: which (token, rollout) pairs it trains and
@@ -175,7 +180,9 @@ class StepSource(Protocol):
         """Steps per epoch. A source that cannot know raises ``TypeError`` (Lightning's "no length")."""
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Complete this rank's share of a step before it is trained (every rank calls it, also without a tree)."""
+        """Complete this rank's share of a step before it is trained (every rank calls it, also without a tree); a
+        source whose generation batches feed several steps sets ``batch.generation``, the step's place in its batch
+        (what a critic estimates once per batch, :class:`~lightning_dta.core.generation.GenerationContext`)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to continue where this one stopped."""

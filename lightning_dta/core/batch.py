@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_dta.core.balance import TreeFeatures
+from lightning_dta.core.generation import GenerationContext
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree, TreeStats
 
@@ -26,6 +27,7 @@ class StepBatch:
     partition_logical_tokens: list[int] = field(default_factory=list)  # logical tokens of every rank
     partition_tree_tokens: list[int] = field(default_factory=list)  # tree tokens of every rank, after the cut
     rank_features: list[TreeFeatures] = field(default_factory=list)  # what every rank's cost is made of
+    generation: GenerationContext | None = None  # the step's place in its generation batch (None: the step is one)
 
     @property
     def rollouts(self) -> list[Rollout]:

@@ -11,6 +11,10 @@ over the generation batch and then asks :meth:`GenerationBatches.split` for its 
 The default split keeps the tree: a step holds whole groups (every rollout sharing a ``group_id``: a prompt's samples
 and each call of their multi-turn episodes), so each step's prefix tree keeps the sharing a group brings. It depends
 only on the batch (and, shuffled, on the seed and the batch's index), never on a rank: N ranks split as 1 rank does.
+
+What the training side computes once per generation batch, with the weights before the batch's first update (a
+critic's values and GAE over the whole batch, :class:`~lightning_dta.PPOCritic`), it learns from the step's
+:class:`GenerationContext`: the source tells each step where it stands in its batch.
 """
 
 from __future__ import annotations
@@ -77,16 +81,6 @@ class GenerationBatches:
             raise ConfigError(f"generation={generation!r}. Fix: a GenerationBatches, a mapping of its fields, or null")
         return generation
 
-    def check_estimator(self, advantage_estimator: str | None) -> None:
-        """Refuse GAE with several steps per generation batch: the critic estimates in each training step, from its
-        values of that moment and whitened over that step, where verl takes the values once before the batch's
-        first update and whitens over the whole batch; training would differ silently."""
-        if advantage_estimator == "gae" and not self.is_default:
-            raise ConfigError(f"advantage_estimator='gae' with generation={self}: the critic estimates GAE in each "
-                              "optimizer step (its values of that step, whitened over that step), not once per "
-                              "generation batch. Fix: steps_per_generation: 1 and epochs: 1 with gae, or a group "
-                              "estimator (grpo, grpo-no-std, reinforce-baseline)")
-
     @property
     def steps_per_batch(self) -> int:
         """The optimizer steps one generation batch feeds, all passes together."""
@@ -128,6 +122,25 @@ class GenerationBatches:
     def to_dict(self) -> dict:
         """The fields as plain data (for checkpoints and hyperparameters)."""
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class GenerationContext:
+    """Where a step stands in its generation batch (a source of several steps per batch hands it with each step,
+    :attr:`~lightning_dta.core.batch.StepBatch.generation`): what a training-side estimate made ONCE per batch, before
+    its first update, needs to know."""
+
+    label: str
+    """names the batch in errors."""
+
+    position: int
+    """the step's place among the batch's ``steps_per_batch`` steps (0: the first, trained before any update on the
+    batch; the passes follow one another)."""
+
+    batch: tuple[Rollout, ...] | None = None
+    """at the first step (``position == 0``): the whole generation batch, its advantages estimated, the same on every
+    rank; ``None`` at the later steps (their estimates were made at the first; a source resumed in the middle of a
+    batch no longer holds the rollouts already trained)."""
 
 
 def _cuts(sizes: list[int], count: int) -> list[int]:

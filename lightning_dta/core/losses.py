@@ -51,10 +51,13 @@ REJECTION_LEVELS = get_args(RejectionLevel)
 LOG_RATIO_BOUND = 20.0
 
 # Names of the raw sums every engine accumulates; metrics are ratios of these, so sums from several trees,
-# micro-steps or ranks can be added before the ratios are taken.
+# micro-steps or ranks can be added before the ratios are taken. METRIC_MAXIMA are the few raw statistics that
+# are maxima instead: kept as the largest over chunks, trees and ranks (never added).
 METRIC_SUMS = ("trained_tokens", "clipped_tokens", "approx_kl_sum", "ref_kl_sum", "entropy_sum", "ratio_sum",
                "ratio_deviation_sq_sum", "importance_weight_sum", "capped_tokens", "nonfinite_tokens", "value_sum",
-               "value_error_sq_sum", "value_clipped_tokens")
+               "value_error_sq_sum", "value_clipped_tokens", "logprob_gap_tokens", "logprob_gap_abs_sum",
+               "logprob_gap_k3_sum")
+METRIC_MAXIMA = ("logprob_gap_max",)
 
 
 def per_rollout_sum(values: torch.Tensor, owner: torch.Tensor, num_rollouts: int) -> torch.Tensor:
@@ -70,7 +73,8 @@ class StepAggregation:
     The normalisers are three counts that add over trees and ranks: trained (token, rollout) pairs, rollouts with a
     trained token, and rollouts; each ``agg`` divides by the one it needs."""
 
-    metric_sums: ClassVar[tuple[str, ...]] = METRIC_SUMS
+    metric_sums: ClassVar[tuple[str, ...]] = METRIC_SUMS + METRIC_MAXIMA
+    metric_maxima: ClassVar[tuple[str, ...]] = METRIC_MAXIMA
     token_fields: ClassVar[tuple[str, ...]] = ()
     required_fields: ClassVar[tuple[str, ...]] = ()
 
@@ -309,13 +313,14 @@ class PolicyLoss(StepAggregation):
         return from_trl(config)
 
     @classmethod
-    def from_verl(cls, actor: Any, algorithm: Any = None, rollout: Any = None) -> Converted:
-        """verl's ``actor_rollout_ref.actor`` config, ``algorithm`` config and (for the temperature)
-        ``actor_rollout_ref.rollout`` config, as objects or dicts
-        (:func:`lightning_dta.core.conversions.verl.from_verl`)."""
+    def from_verl(cls, actor: Any, algorithm: Any = None, rollout: Any = None, data: Any = None,
+                  trainer: Any = None) -> Converted:
+        """verl's ``actor_rollout_ref.actor`` config, ``algorithm`` config, (for the temperature)
+        ``actor_rollout_ref.rollout`` config and (for the mini-batches) ``data`` and ``trainer`` configs, as objects
+        or dicts (:func:`lightning_dta.core.conversions.verl.from_verl`)."""
         from lightning_dta.core.conversions.verl import from_verl
 
-        return from_verl(actor, algorithm, rollout)
+        return from_verl(actor, algorithm, rollout, data, trainer)
 
     @classmethod
     def from_areal(cls, actor: Any) -> Converted:
@@ -470,7 +475,25 @@ class PolicyLoss(StepAggregation):
                 sums["ref_kl_sum"] += (ref_kl.detach() * mask * has_ref).sum()
             if entropy is not None:
                 sums["entropy_sum"] += (entropy.detach() * mask).sum()
+            self._logprob_gap(logp_d, data.old, trained, sums)
         return weighted
+
+    @staticmethod
+    def _logprob_gap(logp: torch.Tensor, behaviour: torch.Tensor, trained: torch.Tensor, sums: dict) -> None:
+        """The trainer's log-probs against the behaviour (generator's) ones on the trained pairs that carry them:
+        ``r = logp - behaviour``; ``|r|`` summed and its maximum, and ``k3 = exp(r) - 1 - r``. On tokens sampled
+        from the generator's distribution q, ``E_q[exp(r) - 1 - r] = E_q[p/q] - 1 + E_q[log q - log p] =
+        KL(q || p)``: the KL of the generator's distribution against the trainer's (p). Counted per (token,
+        rollout) pair, unweighted: a figure of the engines, not of the loss's weighting."""
+        carried = trained & ~torch.isnan(behaviour)
+        gap = torch.where(carried, logp - behaviour, 0.0)
+        size = gap.abs()
+        sums["logprob_gap_tokens"] += carried.sum()
+        sums["logprob_gap_abs_sum"] += size.sum()
+        # k3 >= 0; clamped because exp(x) - 1 - x rounds to tiny negatives for x near 0
+        sums["logprob_gap_k3_sum"] += (torch.exp(gap) - 1.0 - gap).clamp_min(0.0).sum()
+        if size.numel():
+            sums["logprob_gap_max"] = torch.clamp(size.max(), min=sums["logprob_gap_max"])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -539,7 +562,11 @@ def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
         "importance_weight_mean": sums.get("importance_weight_sum", 0.0) / n,
         "capped_fraction": sums.get("capped_tokens", 0.0) / n,
         "nonfinite_tokens": sums.get("nonfinite_tokens", 0.0),
-    } | ({  # a critic's step (ValueLoss)
+    } | ({  # the trainer against the generator, on the pairs with behaviour log-probs (PolicyLoss._logprob_gap)
+        "logprob_gap_max": sums.get("logprob_gap_max", 0.0),
+        "logprob_gap_mean": sums.get("logprob_gap_abs_sum", 0.0) / sums["logprob_gap_tokens"],
+        "logprob_gap_kl": sums.get("logprob_gap_k3_sum", 0.0) / sums["logprob_gap_tokens"],
+    } if sums.get("logprob_gap_tokens", 0.0) else {}) | ({  # a critic's step (ValueLoss)
         "value_mean": sums.get("value_sum", 0.0) / n,
         "value_mse": sums.get("value_error_sq_sum", 0.0) / n,
         "value_clip_fraction": sums.get("value_clipped_tokens", 0.0) / n,
@@ -547,4 +574,4 @@ def metrics_from_sums(sums: Mapping[str, float]) -> dict[str, float]:
 
 
 def empty_sums() -> dict[str, float]:
-    return dict.fromkeys(METRIC_SUMS, 0.0)
+    return dict.fromkeys(METRIC_SUMS + METRIC_MAXIMA, 0.0)

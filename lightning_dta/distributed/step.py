@@ -8,7 +8,7 @@ The order is fixed by exactness, not taste:
    rank, rather than trained without that term);
 2. one DFS over this rank's trees (``tree_backward``), adding to ``.grad``;
 3. sum the gradients over ranks once (flattened buckets; FSDP2: one reduce-scatter per unit), plus the metric sums
-   in one small collective.
+   in one small collective (the objective's ``metric_maxima``: the largest over ranks).
 
 Clipping and the optimizer step are the caller's (:func:`lightning_dta.lightning.step.dfs_training_step` for a
 manual-optimization ``LightningModule``, :func:`lightning_dta.accelerate.accelerate_tree_backward` for Accelerate).
@@ -153,7 +153,9 @@ def tree_step_backward(model: nn.Module, tree: PrefixTree | None, loss_fn: Objec
     else:
         sum_gradients(model.parameters(), bucket_mb=layout.bucket_mb, group=group)
     values = [sum(rank[i] for rank in ranks) for i in range(len(values))]  # the same order on every rank
-    loss, sums, counts = values[0], dict(zip(names, values[1:])), dict(zip(_COUNTS, values[-len(_COUNTS):]))
+    loss, counts = values[0], dict(zip(_COUNTS, values[-len(_COUNTS):]))
+    sums = {name: (max if name in loss_fn.metric_maxima else sum)(rank[1 + i] for rank in ranks)
+            for i, name in enumerate(names)}
     metrics = {"loss": loss, **loss_fn.metrics(sums), **counts,
                "compression_ratio": counts["logical_tokens"] / max(counts["tree_tokens"], 1.0)}
     return StepOutput(loss=loss, metrics=metrics, normalizer=normalizer, local=local,

@@ -7,9 +7,9 @@ config and from ``--print_config``. Converting once and printing the fragment ke
 and says what to change.
 
 CONFIG is a JSON or YAML file: TRL, a ``GRPOConfig``'s arguments (``GRPOConfig.to_dict()``, or the ones you set);
-verl, a trainer config (``actor_rollout_ref.actor``, ``algorithm``, ``actor_rollout_ref.rollout``) with its
-interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``); AReaL, a config with an ``actor:``
-section (or that section itself).
+verl, a trainer config (``actor_rollout_ref.actor``, ``algorithm``, ``actor_rollout_ref.rollout``, ``data``,
+``trainer``) with its interpolations resolved (``OmegaConf.to_container(cfg, resolve=True)``); AReaL, a config with
+an ``actor:`` section (or that section itself).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def convert(framework: str, config: dict[str, Any]) -> Converted:
     if framework == "verl":
         parts = config.get("actor_rollout_ref", {})
         return PolicyLoss.from_verl(parts.get("actor", config.get("actor", {})), config.get("algorithm", {}),
-                                    parts.get("rollout", config.get("rollout")))
+                                    parts.get("rollout", config.get("rollout")), config.get("data"),
+                                    config.get("trainer"))
     return PolicyLoss.from_areal(config.get("actor", config))
 
 

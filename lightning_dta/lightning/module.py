@@ -102,8 +102,8 @@ class DTAModule(DFSStepMixin, LightningModule):
             names the rollouts with non-finite terms); this many skipped steps in a row stop the run.
         critic: PPO with a learned baseline (:class:`~lightning_dta.PPOCritic`: its model, optimizer, value loss and
             GAE's gamma and lambda; in YAML ``critic: {model: ..., gamma: ...}``). Each step the values (recorded in
-            the rollouts, else the critic's) and GAE set the advantages, the policy trains, then the critic trains
-            on the same tree. Needs
+            the rollouts, else the critic's) and GAE set the advantages (once per generation batch, at its first
+            step, when one feeds several), the policy trains, then the critic trains on the same tree. Needs
             ``advantage_estimator: gae`` on the step source (it leaves the advantages to the critic).
     """
 
@@ -182,11 +182,14 @@ class DTAModule(DFSStepMixin, LightningModule):
             checkpoint["hf_config"] = self.model.config.to_dict()
         if self.critic is not None and self.critic.optimizer_state() is not None:
             checkpoint["critic_optimizer"] = self.critic.optimizer_state()
+        if self.critic is not None:  # a run resumed in the middle of a generation batch trains on its estimates
+            checkpoint["critic_generation_batch"] = self.critic.batch_state()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.critic is not None:
             self.critic.load_optimizer_state(checkpoint.get("critic_optimizer"))
+            self.critic.load_batch_state(checkpoint.get("critic_generation_batch"))
 
     @override
     def configure_optimizers(self) -> Any:
@@ -233,11 +236,14 @@ class DTAModule(DFSStepMixin, LightningModule):
                              "data module, or on the online source)")
 
     @override
-    def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: StepBatch | PrefixTree | None, batch_idx: int) -> dict[str, Any]:
+        """One optimizer step; returns the loss and, under ``"step"``, the :class:`StepOutput` (callbacks read it
+        in ``on_train_batch_end``: the online RL callback checks the log-prob gap)."""
         tree = batch_tree(batch)
         layout = self.layout
         if self.critic is not None:
-            self.critic.estimate(tree, self.engine, layout)
+            self.critic.estimate(tree, self.engine, layout,
+                                 batch.generation if isinstance(batch, StepBatch) else None)
         out = self.dfs_training_step(batch, self.loss_fn, model=self.model, engine=self.engine,
                                      gradient_clip_val=self.gradient_clip_val,
                                      gradient_clip_algorithm=self.gradient_clip_algorithm)
@@ -256,7 +262,7 @@ class DTAModule(DFSStepMixin, LightningModule):
         data = self._tree_data
         if data is not None and isinstance(batch, StepBatch):  # the partition's cost model learns from the times
             data.observe_step(batch, out.rank_seconds)
-        return torch.tensor(out.loss)
+        return {"loss": torch.tensor(out.loss), "step": out}
 
     def log_step(self, out: StepOutput, batch: StepBatch | PrefixTree | None, lr: float) -> None:
         """Log the step's metrics. They are step-wide and identical on every rank, so no ``sync_dist``."""

@@ -10,7 +10,9 @@ With :class:`~lightning_dta.core.generation.GenerationBatches` (``generation``) 
 a generation batch rather than a step: its advantages are estimated over all of it, then it is split into
 ``steps_per_generation * epochs`` steps. A position (``start``) counts optimizer steps, so a run resumed in the middle
 of a generation batch continues at the same step of the same split, with the same advantages (both are computed
-from the data alone).
+from the data alone). Each step's :class:`~lightning_dta.core.generation.GenerationContext` (set on its
+``StepBatch`` by ``prepare_batch``) tells a critic where the step stands in its batch, so that it takes its values and
+GAE once over the whole batch, at the batch's first step.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lightning_dta.contracts import ModelLimits
 from lightning_dta.core.advantages import check_advantage_estimator, estimate_advantages
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.errors import ConfigError
-from lightning_dta.core.generation import GenerationBatches
+from lightning_dta.core.generation import GenerationBatches, GenerationContext
 from lightning_dta.core.rollout import Rollout, RolloutError, read_rollout_lines, validate_rollouts
 
 StepIterable = Iterable[Sequence[Rollout]] | Callable[[], Iterable[Sequence[Rollout]]]
@@ -87,10 +89,10 @@ class FileSteps:
         self.advantage_options = advantage_options
         self.shuffle, self.seed = shuffle, seed
         self.generation = GenerationBatches.resolve(generation)
-        self.generation.check_estimator(advantage_estimator)
         self._batches: list[list[Rollout]] = []  # the generation batches (the steps, by default), estimated
         self._steps: list[list[list[Rollout]]] | None = None  # each generation batch's steps
         self._lines: list[int] = []  # the file's line of each rollout, for errors
+        self._context: GenerationContext | None = None  # the step handed out last: its place in its batch
 
     def load(self, limits: ModelLimits = ModelLimits()) -> None:  # noqa: B008 (frozen)
         """Read, validate and estimate (once; later calls only re-check the limits, see :meth:`check_limits`)."""
@@ -165,10 +167,13 @@ class FileSteps:
             i, k = order[position // each], position % each
             label = f"step {i} of {self.path}" if each == 1 else \
                 f"step {k} of generation batch {i} of {self.path}"
+            self._context = None if each == 1 else GenerationContext(
+                f"generation batch {i} of {self.path}", int(k), tuple(self._batches[i]) if k == 0 else None)
             yield label, batches[i][k]
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Nothing to add: the file holds every field."""
+        """The step's place in its generation batch (the file holds every other field)."""
+        batch.generation = self._context
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "generation": self.generation.to_dict()}
@@ -196,8 +201,8 @@ class IterableSteps:
         self.advantage_estimator = advantage_estimator
         self.advantage_options = advantage_options
         self.generation = GenerationBatches.resolve(generation)
-        self.generation.check_estimator(advantage_estimator)
         self.seed = seed
+        self._context: GenerationContext | None = None  # the step handed out last: its place in its batch
 
     def __len__(self) -> int:
         if not isinstance(self.source, Sized):  # Lightning's sized_len treats TypeError as "no length"
@@ -217,10 +222,12 @@ class IterableSteps:
                 batch = estimate_advantages(batch, self.advantage_estimator, self.advantage_options)
             steps = self.generation.split_batch(batch, self.seed, number, label)
             for k in range(max(start - number * each, 0), each):
+                self._context = None if each == 1 else GenerationContext(label, k, tuple(batch) if k == 0 else None)
                 yield (label if each == 1 else f"step {k} of {label}"), steps[k]
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Nothing to add."""
+        """The step's place in its generation batch."""
+        batch.generation = self._context
 
     def state_dict(self) -> dict[str, Any]:
         return {"generation": self.generation.to_dict()}

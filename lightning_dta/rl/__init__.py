@@ -4,8 +4,9 @@
   (bounded staleness, decoupled PPO) generation.
 - :class:`OnlineRLCallback` (``callback.py``): attaches the source to the policy, refreshes the generator's
   weights after every optimizer step, logs rewards and timings, saves the reward plot.
-- Generators (``generation.py``, ``server.py``): :class:`HFGenerator` (in-process ``model.generate``, the
-  default) and :class:`OpenAICompatibleGenerator` (a vLLM / SGLang server over HTTP).
+- Generators (``generation.py``, ``server.py``, ``vllm_colocated.py``): :class:`HFGenerator` (in-process
+  ``model.generate``, the default), :class:`OpenAICompatibleGenerator` (a vLLM / SGLang server over HTTP) and
+  :class:`VLLMGenerator` (vLLM in the training process, weights handed over in memory).
 - Environments (``environment.py``, ``tasks.py``, ``envs/``): :class:`Environment`, :func:`run_episodes`, the
   single-turn toy task :class:`ReverseDigits` and the multi-turn :class:`CalculatorEnv`; reward callables.
 - ``tokenizer.py``: a locally built character tokenizer; ``warmup.py``: the SFT warm start; ``plot.py``.
@@ -21,6 +22,7 @@ from lightning_dta.rl.server import OpenAICompatibleGenerator
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.tasks import ReverseDigits, exact_match, position_match
 from lightning_dta.rl.tokenizer import make_char_tokenizer
+from lightning_dta.rl.vllm_colocated import VLLMGenerator
 from lightning_dta.rl.warmup import sft_warm_start
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "RewardError",
     "StepInfo",
     "StepResult",
+    "VLLMGenerator",
     "exact_match",
     "make_char_tokenizer",
     "position_match",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,9 @@ from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.losses import PolicyLoss
 from lightning_dta.distributed.collectives import all_gather_floats, broadcast_module
 from lightning_dta.distributed.sharding import is_sharded
+from lightning_dta.distributed.step import StepOutput
 from lightning_dta.lightning.data import RolloutDataModule
+from lightning_dta.rl.gap import LogprobGap, check_logprob_gap
 from lightning_dta.rl.plot import save_reward_plot
 from lightning_dta.rl.source import OnlineRolloutSource, StepInfo
 from lightning_dta.rl.warmup import WarmStartResult, sft_warm_start
@@ -45,14 +48,18 @@ class OnlineRLCallback(Callback):
     ``rollout/calls_per_episode``, ``rollout/compression_ratio`` (logical / tree tokens of the step's whole tree),
     ``time/generation_sec``, ``time/wait_sec`` (the trainer waiting for the step), ``time/prepare_sec``
     (advantages, prox/ref log-probs), ``time/train_sec``, ``time/weight_sync_sec`` (the refresh after the optimizer
-    step), ``time/step_sec`` (end to end) - each the slowest rank's, with ``time/generation_sec_mean`` and
+    step: the generator's copy or the server's weight sync, without an async wait for the generation thread),
+    ``time/step_sec`` (end to end: from asking for the step to the weights handed back) - each the slowest rank's,
+    with ``time/generation_sec_mean`` and
     ``rl/slowest_generation_rank`` / ``rl/slowest_train_rank`` beside them,
     ``rl/logical_tokens_per_sec`` (end to end), ``rl/policy_version`` and ``rl/staleness``. The progress bar shows
     ``reward``. With several steps per generation batch (the source's ``generation``) the ``rollout/*`` metrics,
     the generation time and ``rl/policy_version`` describe the step's generation batch (``rl/staleness`` counts the
     optimizer steps since it was generated: 0, 1, 2, ... over its steps); the step's own tree (its
     compression), PPO's ``train/clip_fraction``, ``train/ratio_mean`` and ``train/ratio_std`` are the training
-    module's ``train/*``.
+    module's ``train/*``, as is the log-prob gap (``train/logprob_gap_max``, ``_mean``, ``_kl``:
+    :mod:`lightning_dta.rl.gap`), which this callback checks against the source's ``max_logprob_gap`` after each
+    step trained with the weights that generated it, stopping the run with the numbers when it is exceeded.
 
     Args:
         sft_warmup_steps: supervised steps on the environment's demonstrations before RL (0 = none); skipped
@@ -134,8 +141,7 @@ class OnlineRLCallback(Callback):
                            batch_idx: int) -> None:
         if self.source is None or self._batch_start is None:
             return
-        now = time.perf_counter()
-        train_sec = now - self._batch_start
+        train_sec = time.perf_counter() - self._batch_start
         # The version counts trained batches: a skipped (non-finite) step advances it with unchanged weights, so
         # the async producer's pinned versions keep pace with the steps (global_step would stall and deadlock it).
         self._version = max(self._version + 1, trainer.global_step)
@@ -148,16 +154,20 @@ class OnlineRLCallback(Callback):
             raise RuntimeError(f"the trained step has {batch.step_stats.logical_tokens} logical tokens but the "
                                f"source's last step has {handed}: the metrics would describe another "
                                "step (was a step prefetched?)")
-        metrics = self._metrics(info, train_sec, now - info.requested_at, self.source.last_weight_sync_sec,
+        step_sec = time.perf_counter() - info.requested_at  # end to end: asked for the step -> weights handed back
+        metrics = self._metrics(info, train_sec, step_sec, self.source.last_weight_sync_sec,
                                 trainer.strategy.root_device)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         pl_module.log("reward", info.reward_mean, prog_bar=True, logger=False, on_step=True, on_epoch=False,
                       batch_size=1)
         step = trainer.global_step - 1  # the step just trained, numbered as in metrics.csv (from 0)
+        gap = self._logprob_gap(outputs)
         self.history.append({"step": float(step), "reward_min": min(info.rewards), "reward_max": max(info.rewards),
-                             **metrics})
+                             **metrics, **({} if gap is None else {"logprob_gap_max": gap.max})})
         if self.print_every_n_steps and (step + 1) % self.print_every_n_steps == 0:
-            self._print(trainer, self._line(step, metrics))
+            self._print(trainer, self._line(step, metrics, gap))
+        if gap is not None:  # every rank holds the step-wide gap: every rank stops alike
+            check_logprob_gap(gap, self.source.max_logprob_gap, step, info.staleness)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -197,6 +207,19 @@ class OnlineRLCallback(Callback):
                                "were not trained (training ended first)")
             self.source = None
 
+    def _logprob_gap(self, outputs: Any) -> LogprobGap | None:
+        """The trained step's log-prob gap, from the :class:`StepOutput` the training step returns under ``"step"``
+        (``DTAModule`` does); a bound without it is refused rather than never checked."""
+        out = outputs.get("step") if isinstance(outputs, Mapping) else None
+        if not isinstance(out, StepOutput):
+            if self.source is not None and self.source.max_logprob_gap is not None:
+                raise ConfigError(f"max_logprob_gap={self.source.max_logprob_gap} is set, but the training step "
+                                  "returned no StepOutput to read the log-prob gap from. Fix: return {'loss': ..., "
+                                  "'step': out} from training_step, out being dfs_training_step's result (DTAModule "
+                                  "does), or max_logprob_gap: null")
+            return None
+        return None if out.skipped else LogprobGap.from_metrics(out.metrics)
+
     @staticmethod
     def _metrics(info: StepInfo, train_sec: float, step_sec: float, weight_sync_sec: float,
                  device: torch.device) -> dict[str, float]:
@@ -231,12 +254,13 @@ class OnlineRLCallback(Callback):
         return metrics
 
     @staticmethod
-    def _line(step: int, m: dict[str, float]) -> str:
+    def _line(step: int, m: dict[str, float], gap: LogprobGap | None = None) -> str:
         accuracy = f" | acc {m['rollout/accuracy']:.2f}" if "rollout/accuracy" in m else ""
+        logprob_gap = f" | logprob gap {gap.max:.1e}" if gap is not None else ""
         return (f"step {step:4d} | reward {m['rollout/reward_mean']:.3f} ± {m['rollout/reward_std']:.3f}{accuracy} | "
                 f"len {m['rollout/response_tokens_mean']:.1f} | compression {m['rollout/compression_ratio']:.2f}x | "
                 f"gen {m['time/generation_sec']:.2f}s train {m['time/train_sec']:.2f}s | "
-                f"{m['rl/logical_tokens_per_sec']:.0f} tok/s | staleness {m['rl/staleness']:.0f}")
+                f"{m['rl/logical_tokens_per_sec']:.0f} tok/s | staleness {m['rl/staleness']:.0f}{logprob_gap}")
 
     @staticmethod
     def _print(trainer: Trainer, line: str) -> None:

@@ -1,16 +1,19 @@
 """The background generation thread of asynchronous RL, and its hand-over to the training thread.
 
-:class:`AsyncProducer` runs ``generate(index, version)`` for step after step in a daemon thread, pinned to
-versions: step ``first + k`` is generated with the weights of exactly ``base + max(0, k - max_staleness)``
-(counted from :meth:`AsyncProducer.start`). Pinning makes the version of every step a function of its index
-only, so every rank of a run agrees on it (and a rerun repeats it), and the bound holds by construction: a step
-is trained at most ``max_staleness`` optimizer steps after the weights that generated it.
+:class:`AsyncProducer` runs ``generate(index, version)`` for generation batch after generation batch in a daemon
+thread, pinned to versions. Staleness counts generation batches: with ``n`` optimizer steps per batch
+(``steps_per_batch``), batch ``first + k`` is generated with the weights of exactly ``base + max(0, before + (k -
+max_staleness) * n)`` (counted from :meth:`AsyncProducer.start`; ``before``: the steps of a batch begun before the
+start, still to train), the weights that start training batch ``first + k - max_staleness``. Pinning makes the
+version of every batch a function of its index only, so every rank of a run agrees on it (and a rerun repeats it),
+and the bound holds by construction: a batch starts training at most ``max_staleness`` generation batches (``n *
+max_staleness`` optimizer steps) after the weights that generated it.
 
 The training thread publishes each new version with :meth:`~AsyncProducer.publish`: it waits until every step
 that needs the weights loaded now has been generated, then runs ``load`` (copy the weights into the generator)
-and lets the thread go on. With ``max_staleness=1`` that wait is for the step the trainer trains next, which it
-waits for anyway. Steps are taken in order with :meth:`~AsyncProducer.take`; a failure of the thread, or a loop
-that stopped publishing versions, raises there with the cause.
+and lets the thread go on. With ``max_staleness=1`` and one step per batch that wait is for the batch the trainer
+trains next, which it waits for anyway. Batches are taken in order with :meth:`~AsyncProducer.take`; a failure of
+the thread, or a loop that stopped publishing versions, raises there with the cause.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ class Generated:
 class AsyncProducer:
     """Generate steps ahead of training within a staleness bound, each with its pinned version."""
 
-    def __init__(self, generate: Callable[[int, int], Generated], max_staleness: int) -> None:
+    def __init__(self, generate: Callable[[int, int], Generated], max_staleness: int, steps_per_batch: int = 1
+                 ) -> None:
         self.generate = generate
         self.max_staleness = max_staleness
+        self.steps_per_batch = steps_per_batch
         self._condition = threading.Condition()
         self._queue: queue.Queue[Generated] = queue.Queue(maxsize=max_staleness + 1)
         self._stop = threading.Event()
@@ -48,11 +53,12 @@ class AsyncProducer:
         self._loaded = 0  # the version of the weights the generator holds
         self._base = 0
         self._first = 0
+        self._before = 0  # optimizer steps of a batch begun before start(), trained before batch `first`
         self._generated = 0  # steps generated since start (the thread works on step first + generated)
 
     def version_of(self, index: int) -> int:
-        """The pinned version of step ``index``."""
-        return self._base + max(0, index - self._first - self.max_staleness)
+        """The pinned version of generation batch ``index`` (module docstring)."""
+        return self._base + max(0, self._before + (index - self._first - self.max_staleness) * self.steps_per_batch)
 
     @property
     def steps_ahead(self) -> int:
@@ -63,9 +69,11 @@ class AsyncProducer:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, first_index: int, version: int) -> None:
-        """Start generating at step ``first_index`` with the weights of ``version`` (loaded in the generator)."""
+    def start(self, first_index: int, version: int, steps_before: int = 0) -> None:
+        """Start generating at generation batch ``first_index`` with the weights of ``version`` (loaded in the
+        generator); ``steps_before`` optimizer steps (of a batch begun earlier) are trained before that batch's."""
         self._first, self._base, self._loaded, self._generated = first_index, version, version, 0
+        self._before = steps_before
         self._thread = threading.Thread(target=self._run, name="lightning-dta-rollouts", daemon=True)
         self._thread.start()
 

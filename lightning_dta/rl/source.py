@@ -23,19 +23,25 @@ One step on N ranks (every rank runs this; ``docs/rl.md`` has the diagram):
 
 Generation batches (``generation``, :mod:`lightning_dta.core.generation`): what is generated and estimated above is
 then a generation batch of ``steps_per_generation`` steps' prompts, split into its optimizer steps (whole prompts
-each, by default) after the advantages; step 3 runs per optimizer step. The batch's rollouts keep the log-probs of
-the policy that generated them, so the steps after the first are trained off policy by the optimizer steps between.
+each, by default) after the advantages; step 3 runs per optimizer step, except the proximal log-probs: decoupled PPO
+(AReaL) takes them ONCE per generation batch, with the weights before its first update, so they are walked over the
+whole batch when its first step is handed out (the ranks share the walk and gather it,
+:func:`~lightning_dta.distributed.batch_walk.walk_batch`) and every later step of the batch keeps them. The batch's
+rollouts keep the log-probs of the policy that generated them (``old_logprobs``), so the steps after the first are
+trained off policy by the optimizer steps between: the ratio is against the behaviour log-probs (sync), or against
+the batch's proximal ones with the behaviour weight ``exp(prox - old)`` (async, decoupled). Each step's
+:class:`~lightning_dta.core.generation.GenerationContext` tells a critic where it stands in its batch.
 
 Two rollout modes:
 
 - ``"sync"`` (default): a step is generated when the trainer asks for it, with the weights of the previous
   optimizer step; in-process generation shares the trainer's module. Strictly on-policy.
 - ``"async"``: a background thread generates steps ahead while the trainer trains, with a private copy of the
-  weights that :meth:`update_policy` refreshes after each optimizer step. Step ``i`` (counted from
-  :meth:`attach`) is generated with the weights of version ``i - max_staleness`` exactly
-  (:mod:`lightning_dta.rl.producer`), so every rank agrees on the version of every step and the bound holds; the
-  loss is decoupled PPO (the rollouts keep the behaviour log-probs as ``old_logprobs`` and get
-  ``prox_logprobs`` recomputed on the current weights).
+  weights that :meth:`update_policy` refreshes after each optimizer step. Staleness counts generation batches:
+  generation batch ``i`` (counted from :meth:`attach`) is generated with the weights that trained batch
+  ``i - max_staleness`` first, exactly (:mod:`lightning_dta.rl.producer`), so every rank agrees on the version of
+  every batch and the bound holds; the loss is decoupled PPO (the rollouts keep the behaviour log-probs as
+  ``old_logprobs`` and get ``prox_logprobs`` recomputed on the weights of the batch's first step).
 
 The source has a length (``steps_per_epoch``), which matters: Lightning prefetches one batch ahead from a loader
 without a length, which would generate step ``k+1`` before step ``k`` is trained, i.e. silently one step off
@@ -61,15 +67,17 @@ from lightning_dta.contracts import ModelLimits, ParallelLayout
 from lightning_dta.core.advantages import check_advantage_estimator
 from lightning_dta.core.batch import StepBatch
 from lightning_dta.core.errors import ConfigError
-from lightning_dta.core.generation import GenerationBatches
+from lightning_dta.core.generation import GenerationBatches, GenerationContext
 from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
+from lightning_dta.distributed.batch_walk import walk_batch
 from lightning_dta.distributed.collectives import all_gather_objects, broadcast_object, rank
 from lightning_dta.distributed.peers import check_peers_agree
 from lightning_dta.distributed.sharding import is_sharded, sharded_copy, unsharded
-from lightning_dta.engine import EngineOptions
+from lightning_dta.engine import EngineOptions, tree_logprobs
 from lightning_dta.lightning.sources import check_same_generation, validated_step
 from lightning_dta.rl.environment import Environment, run_episodes
+from lightning_dta.rl.gap import check_max_logprob_gap
 from lightning_dta.rl.generation import Generator, HFGenerator, derive_seed
 from lightning_dta.rl.prepare import StepInfo, episode_rollouts, fill_logprobs, step_info
 from lightning_dta.rl.producer import AsyncProducer, Generated
@@ -91,8 +99,10 @@ class OnlineRolloutSource:
         steps_per_epoch: the length of one epoch in optimizer steps (the data module's epoch; training length is
             the Trainer's ``max_steps``; a generation batch may straddle two epochs).
         rollout_mode: ``"sync"`` or ``"async"``.
-        max_staleness: async only: the optimizer steps between the weights that generate a step and the weights
-            that train on it (0 = generate each step with the latest weights, in the background).
+        max_staleness: async only, in generation batches: batch ``i`` is generated with the weights that start
+            training batch ``i - max_staleness`` (0 = with the latest weights, in the background), so at most
+            ``max_staleness * steps_per_generation * epochs`` optimizer steps lie between the weights that generate
+            a batch and those of its first step (the logged ``rl/staleness`` counts optimizer steps).
         placement: ``"colocated"`` (every rank generates its blocks) or ``"disaggregated"`` (rank 0 generates the
             whole step, e.g. through a server, and broadcasts it); ``None``: the generator's own ``placement``.
         generation_blocks: colocated: the generation batch's prompts are cut into this many blocks of consecutive
@@ -122,7 +132,14 @@ class OnlineRolloutSource:
             default split: whole prompts, with every call of their episodes, ``prompts_per_step`` each when every
             prompt has as many calls; otherwise cut where the steps' calls come closest to equal). The rollouts
             keep the generating policy's log-probs as ``old_logprobs``, so from the second step on the PPO ratio
-            departs from 1 and the clip binds. Sync mode only, for now. Default: one step per generation batch.
+            departs from 1 and the clip binds. Default: one step per generation batch.
+        max_logprob_gap: stop the run when a step trained with the weights that generated it (staleness 0) has a
+            sampled token whose trainer log-prob is further than this from the generator's
+            (:mod:`lightning_dta.rl.gap`; checked by :class:`~lightning_dta.rl.OnlineRLCallback`). ``None``
+            (default): no bound, the gap is still logged every step. No value is safe for every engine: a float32
+            in-process generator is at float rounding (at most 2.7e-5 measured on the toy task), a bf16 server beside a
+            float32 trainer is expected to differ by much more on its rarest tokens; ``1e-3`` suits float32 engines
+            (``docs/rl.md``, "The log-prob gap").
 
     The forward-only walks (``prox``/``ref`` log-probs) use the :class:`~lightning_dta.EngineOptions` given to
     :meth:`attach`: the training module's, so one engine block in a config serves every engine call of a step.
@@ -136,9 +153,9 @@ class OnlineRolloutSource:
                  ref_logprobs: bool = False, seed: int = 0,
                  add_bos: bool = True, max_context: int | None = None,
                  advantage_options: dict[str, Any] | None = None,
-                 generation: GenerationBatches | None = None) -> None:
+                 generation: GenerationBatches | None = None, max_logprob_gap: float | None = None) -> None:
         generation = GenerationBatches.resolve(generation)
-        generation.check_estimator(advantage_estimator)
+        check_max_logprob_gap(max_logprob_gap)
         if rollout_mode not in ("sync", "async"):
             raise ConfigError(f"rollout_mode={rollout_mode!r}; choose 'sync' or 'async'")
         if placement not in (None, "colocated", "disaggregated"):
@@ -151,10 +168,6 @@ class OnlineRolloutSource:
         if generation_blocks is not None and not 1 <= generation_blocks <= prompts_per_generation:
             raise ConfigError(f"generation_blocks={generation_blocks} must be between 1 and the generation batch's "
                              f"{prompts_per_generation} prompts (or None: one block per rank)")
-        if rollout_mode == "async" and not generation.is_default:
-            raise ConfigError(f"rollout_mode='async' with generation={generation}: several optimizer steps per "
-                              "generation batch are supported in sync mode only, for now. Fix: rollout_mode: sync, "
-                              "or generation.steps_per_generation: 1 and generation.epochs: 1")
         if max_staleness < 0:
             raise ConfigError(f"max_staleness={max_staleness} must be >= 0")
         check_advantage_estimator(advantage_estimator, advantage_options)
@@ -176,6 +189,7 @@ class OnlineRolloutSource:
         self.generation_blocks = generation_blocks
         self.advantage_estimator, self.decoupled = advantage_estimator, decoupled
         self.ref_logprobs = ref_logprobs
+        self.max_logprob_gap = max_logprob_gap
         self.seed, self.add_bos, self.max_context = seed, add_bos, max_context
         self.policy: nn.Module | None = None
         self.ref_model: nn.Module | None = None
@@ -183,11 +197,12 @@ class OnlineRolloutSource:
         self.last_step: StepInfo | None = None  # the last generation batch (by default: the last step)
         self.last_step_logical_tokens = 0  # the last optimizer step handed out (a part of last_step's batch)
         self.history: list[StepInfo] = []  # every step handed out, in order
-        self.last_weight_sync_sec = 0.0  # how long the latest update_policy took (copy or server sync)
+        self.last_weight_sync_sec = 0.0  # how long the latest weight hand-over took (copy or server sync)
         self._version = 0  # the latest version given to update_policy (or attach)
         self._next_index = 0  # the next generation batch to generate
         self._steps_left: list[list[Rollout]] = []  # the current generation batch's steps not handed out yet
         self._batch_info: StepInfo | None = None  # the current generation batch's statistics
+        self._context: GenerationContext | None = None  # the step handed out last: its place in its batch
         self._rank, self._world_size = 0, 1  # among the data-parallel ranks (attach() reads the layout)
         self._global_rank = 0
         self._group = None  # the data-parallel group the colocated blocks are gathered over
@@ -213,7 +228,8 @@ class OnlineRolloutSource:
 
     def _take_step(self) -> tuple[str, list[Rollout]]:
         """The next optimizer step: the current generation batch's next one, generating a new batch when none is
-        left (its advantages over the whole batch, then its split)."""
+        left (its advantages over the whole batch, then its split, and with decoupled PPO its proximal log-probs)."""
+        batch = None
         if not self._steps_left:
             batch = self.next_rollouts()
             index = self._next_index - 1
@@ -229,14 +245,37 @@ class OnlineRolloutSource:
         index = self._next_index - 1
         label = f"step {index} of the online source" if each == 1 else \
             f"step {position} of generation batch {index} of the online source"
+        if each > 1:
+            self._context = GenerationContext(f"generation batch {index} of the online source", position,
+                                              None if batch is None else tuple(batch))
+            if batch is not None and self._decoupled:
+                self._batch_prox(batch)
         step = self._steps_left.pop(0)
         self.last_step_logical_tokens = sum(len(rollout.input_ids) for rollout in step)
         return label, step
 
     def prepare_batch(self, batch: StepBatch) -> None:
-        """Complete this rank's share of the step: proximal and reference log-probs on its tree only. Every rank
-        calls it, also one without a tree (a sharded model is unsharded collectively for the walks)."""
+        """Complete this rank's share of the step: proximal and reference log-probs on its tree only (the proximal
+        ones of a generation batch of several steps are the batch's, already set), and the step's place in its
+        generation batch. Every rank calls it, also one without a tree (a sharded model is unsharded collectively
+        for the walks)."""
         self.prepare(batch.tree)
+        batch.generation = self._context
+
+    @property
+    def _decoupled(self) -> bool:
+        """Whether the loss gets proximal log-probs (decoupled PPO, async mode)."""
+        return self.rollout_mode == "async" and self.decoupled
+
+    def _batch_prox(self, batch: list[Rollout]) -> None:
+        """Decoupled PPO over a generation batch of several steps: every rollout's ``prox_logprobs`` with the current
+        weights (those of the batch's first step), one walk shared by the ranks (module docstring)."""
+        start = time.perf_counter()
+        with unsharded(self.policy, training=False):
+            walked = walk_batch(batch, lambda tree: tree_logprobs(self.policy, tree, engine=self.engine), self._group)
+        for rollout, logprobs in zip(batch, walked):
+            rollout.prox_logprobs = [0.0, *logprobs]
+        self.last_step.prepare_sec += time.perf_counter() - start
 
     def state_dict(self) -> dict[str, Any]:
         """The next generation batch (a resumed run continues there, with the same prompts and seeds), and the steps
@@ -317,8 +356,8 @@ class OnlineRolloutSource:
         if self.ref_logprobs:
             self.ref_model = sharded_copy(policy) if sharded else copy.deepcopy(policy).requires_grad_(False).eval()
         if self.rollout_mode == "async" and self._generates:  # a second attach() continues the step count
-            self._producer = AsyncProducer(self._generate, self.max_staleness)
-            self._producer.start(self._next_index, version)
+            self._producer = AsyncProducer(self._generate, self.max_staleness, self.generation.steps_per_batch)
+            self._producer.start(self._next_index, version, steps_before=len(self._steps_left))
 
     @property
     def _generates(self) -> bool:
@@ -338,29 +377,30 @@ class OnlineRolloutSource:
 
     def update_policy(self, policy: nn.Module, version: int) -> None:
         """Call after every optimizer step, on every rank: the generator follows ``policy``'s weights, tagged
-        ``version`` (in-process copy, or the server's weight sync). The time it takes is ``last_weight_sync_sec``.
+        ``version`` (in-process copy, or the server's weight sync). The hand-over's own time is
+        ``last_weight_sync_sec`` (in async mode, not the wait for the generation thread before it).
 
-        In async mode this first waits until the background thread has generated the steps pinned to the weights
-        it holds (the step trained next, with ``max_staleness=1``), so a copy never mixes two versions into one
-        generation and every step gets its pinned version.
+        In async mode this first waits until the background thread has generated the generation batches pinned to
+        the weights it holds, so a copy never mixes two versions into one generation and every batch gets its
+        pinned version.
         """
         if self.policy is None:
             raise RuntimeError("update_policy() before attach()")
         if version < self._version:
             raise ConfigError(f"policy version {version} must not go back (the policy is at version {self._version}); "
                              "pass the optimizer step count, e.g. trainer.global_step")
-        start = time.perf_counter()
 
         def load() -> None:
+            start = time.perf_counter()
             if self._syncs_weights:
                 self.generator.update_weights(policy, version)
+            self.last_weight_sync_sec = time.perf_counter() - start
 
         if self._producer is None:
             load()
         else:
             self._producer.publish(version, load)
         self._version = version
-        self.last_weight_sync_sec = time.perf_counter() - start
 
     def close(self) -> None:
         """Stop the background thread (if any) and wait for it; steps generated but not trained are counted in
@@ -412,11 +452,13 @@ class OnlineRolloutSource:
         waited = time.perf_counter() - requested
         index, version = self._check_shares(shares)
         self._next_index += 1
-        staleness = self._version - version
-        if staleness > (self.max_staleness if self.rollout_mode == "async" else 0):
-            raise RuntimeError(f"step {index} was generated with policy version {version} and would be trained at "
-                               f"version {self._version}: staleness {staleness} exceeds max_staleness="
-                               f"{self.max_staleness}. This is a bug in the rollout source")
+        staleness = self._version - version  # optimizer steps; max_staleness counts generation batches
+        bound = self.max_staleness * self.generation.steps_per_batch if self.rollout_mode == "async" else 0
+        if staleness > bound:
+            raise RuntimeError(f"generation batch {index} was generated with policy version {version} and would "
+                               f"start training at version {self._version}: {staleness} optimizer steps, more than "
+                               f"max_staleness={self.max_staleness} generation batches of "
+                               f"{self.generation.steps_per_batch} steps. This is a bug in the rollout source")
         episodes = sorted((e for share in shares for e in share.content), key=lambda e: (e.prompt_index, e.sample))
         rollouts = episode_rollouts(episodes, self.advantage_estimator, self.advantage_options)
         if self.placement == "colocated":  # each peer generated its blocks itself (disaggregated: one broadcast)
@@ -431,11 +473,12 @@ class OnlineRolloutSource:
 
     def prepare(self, tree: PrefixTree | None) -> None:
         """Decoupled PPO (async): ``prox_logprobs`` of the current weights on ``tree``'s rollouts (the loss's
-        ``importance_weight_cap`` bounds the weight ``exp(prox - old)``); ``ref_logprobs`` of the frozen reference
-        when ``ref_logprobs`` is on. Adds its time to the step's ``prepare_sec``. ``tree=None``: a rank without
-        rollouts in this step (it still joins a sharded model's all-gathers)."""
+        ``importance_weight_cap`` bounds the weight ``exp(prox - old)``; a generation batch of several steps has
+        its own, set at its first step); ``ref_logprobs`` of the frozen reference when ``ref_logprobs`` is on. Adds
+        its time to the step's ``prepare_sec``. ``tree=None``: a rank without rollouts in this step (it still joins a
+        sharded model's all-gathers)."""
         start = time.perf_counter()
-        if self.rollout_mode == "async" and self.decoupled:
+        if self._decoupled and self.generation.is_default:
             with unsharded(self.policy, training=False):
                 if tree is not None:
                     fill_logprobs(tree, self.policy, "prox_logprobs", self.engine)

@@ -41,7 +41,8 @@ def convert(framework: str, settings: dict) -> Converted:
     if framework == "trl":
         return dta.PolicyLoss.from_trl(config)
     if framework == "verl":
-        return dta.PolicyLoss.from_verl(config.get("actor", {}), config.get("algorithm", {}), config.get("rollout"))
+        return dta.PolicyLoss.from_verl(config.get("actor", {}), config.get("algorithm", {}), config.get("rollout"),
+                                        config.get("data"), config.get("trainer"))
     return dta.PolicyLoss.from_areal(config)
 
 
@@ -76,8 +77,8 @@ def test_every_mapping_row_is_what_the_converter_gives(framework, row):
     for key, expected in flow(row[1]).items():
         if key == "advantage_estimator":
             assert converted.advantage_estimator == expected
-        elif key in ("advantage_options", "engine", "critic"):
-            got = getattr(converted, key) or {}  # the Converted's own three dict fields
+        elif key in ("advantage_options", "engine", "critic", "generation"):
+            got = getattr(converted, key) or {}  # the Converted's own four dict fields
             assert {k: got.get(k) for k in expected} == expected, (key, got)
         elif key == "rejection":
             assert plain(converted.loss.rejection) == expected
@@ -127,6 +128,32 @@ def test_to_config_gives_a_fit_fragment():
     assert fragment["model"]["loss"]["agg"] == "seq-mean-token-mean"
     assert fragment["model"]["engine"] == {"policy_temperature": 0.6}
     assert fragment["data"] == {"advantage_estimator": "grpo",
-                                "advantage_options": {"std_unbiased": True, "eps": 1e-6}}
+                                "advantage_options": {"std_unbiased": True, "eps": 1e-6},
+                                # verl's defaults: data.train_batch_size 1024 / actor.ppo_mini_batch_size 256
+                                "generation": {"steps_per_generation": 4, "epochs": 1, "split": "groups"}}
     assert dta.PolicyLoss(**fragment["model"]["loss"]) == dta.PolicyLoss.from_verl(
         {"loss_agg_mode": "seq-mean-token-mean"}, {"adv_estimator": "grpo"}, {"n": 8}).loss
+
+
+@pytest.mark.parametrize("framework, settings, expected", [
+    ("trl", {}, None),
+    ("trl", {"loss_type": "grpo", "steps_per_generation": 8, "gradient_accumulation_steps": 2},
+     {"steps_per_generation": 4, "epochs": 1, "split": "shuffled"}),
+    ("trl", {"num_iterations": 3}, {"steps_per_generation": 1, "epochs": 3, "split": "shuffled"}),
+    ("verl", {"data.train_batch_size": 12, "actor.ppo_mini_batch_size": 12}, None),
+    ("verl", {"data.train_batch_size": 12, "actor.ppo_mini_batch_size": 6, "actor.ppo_epochs": 2},
+     {"steps_per_generation": 2, "epochs": 2, "split": "groups"}),
+    ("verl", {"data.train_batch_size": 12, "actor.ppo_mini_batch_size": 12, "actor.ppo_epochs": 2,
+              "actor.shuffle": True}, {"steps_per_generation": 1, "epochs": 2, "split": "groups"}),
+    ("areal", {"ppo_n_minibatches": 1}, None),
+    ("areal", {}, {"steps_per_generation": 4, "epochs": 1, "split": "groups"}),
+])
+def test_mini_batches_and_epochs_are_generation_batches(framework, settings, expected):
+    """Their mini-batches and PPO epochs as our generation batches (one per their batch: the advantages over all of
+    it), in ``to_config`` as ``data.generation``; one step and one pass set nothing."""
+    converted = convert(framework, settings)
+    assert converted.generation == expected
+    assert converted.to_config()["data"].get("generation") == expected
+    if expected is not None:
+        dta.GenerationBatches(**expected)  # valid fields
+        assert any(note.startswith("generation:") for note in converted.notes)

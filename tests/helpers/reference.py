@@ -220,3 +220,21 @@ def reference_value_loss(critic: torch.nn.Module, rollouts: list[dta.Rollout], l
             total, count = total + term, count + 1
         per_rollout.append((total, count))
     return aggregate(per_rollout, loss_fn)
+
+
+def reference_logprob_gap(model: torch.nn.Module, rollouts: list[dta.Rollout]) -> tuple[float, float, float]:
+    """The log-prob gap from its definition: each rollout forwarded on its own (float64 log-softmax of a plain
+    forward), ``r = log p_model(x_t | x_<t) - old_logprobs[t]`` on every trained token that carries a behaviour
+    log-prob; returns ``(max |r|, mean |r|, mean (exp(r) - 1 - r))``, the means over all those (token, rollout)
+    pairs of the step."""
+    gaps = []
+    with torch.no_grad():
+        for rollout in rollouts:
+            ids = torch.tensor([rollout.input_ids])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].double(), dim=-1)
+            for t in range(1, len(rollout.input_ids)):
+                if rollout.loss_mask[t] and rollout.old_logprobs is not None and \
+                        not math.isnan(rollout.old_logprobs[t]):
+                    gaps.append(float(logp[t - 1, rollout.input_ids[t]]) - rollout.old_logprobs[t])
+    return (max(abs(r) for r in gaps), math.fsum(abs(r) for r in gaps) / len(gaps),
+            math.fsum(math.exp(r) - 1.0 - r for r in gaps) / len(gaps))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 
 import torch
@@ -12,7 +13,7 @@ from torch import nn
 from lightning_dta.distributed.collectives import rank
 from lightning_dta.lightning.module import build_causal_lm
 from lightning_dta.rl import ReverseDigits
-from lightning_dta.rl.generation import Completion, Generator
+from lightning_dta.rl.generation import Completion, Generator, HFGenerator
 from tests.helpers.float64 import without_float32_islands
 
 
@@ -50,8 +51,6 @@ class ScriptedGenerator(Generator):
         self.policy = policy
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int) -> list[Completion]:
-        import time
-
         time.sleep(self.delay)
         self.calls.append(([list(p) for p in prompts], seed))
         self.versions.append(self.version)
@@ -105,3 +104,38 @@ class FailingReverseDigits(ReverseDigits):
         if rank() == self.fail_rank and index >= self.fail_from:
             raise ZeroDivisionError(f"the tool crashed on prompt {index}")
         return super().reset(index)
+
+
+class PerturbedHFGenerator(HFGenerator):
+    """``HFGenerator`` whose recorded log-probs are off by ``-offset * (position % 3)``: a generator whose numerics
+    are not the trainer's (the samples are still the policy's)."""
+
+    def __init__(self, offset: float = 0.1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.offset = offset
+
+    def generate(self, prompts: Sequence[Sequence[int]], seed) -> list[Completion]:
+        completions = super().generate(prompts, seed)
+        for completion in completions:
+            completion.logprobs = [lp - self.offset * (i % 3) for i, lp in enumerate(completion.logprobs)]
+        return completions
+
+
+class UnsyncedHFGenerator(HFGenerator):
+    """``HFGenerator`` whose weight sync does nothing: with a private copy (async mode) it keeps sampling from the
+    weights it was attached with, as a server whose weight sync silently fails."""
+
+    def update_weights(self, policy: nn.Module, version: int) -> None:
+        self.version = version
+
+
+class SlowSyncHFGenerator(HFGenerator):
+    """``HFGenerator`` whose weight sync takes ``sync_sec`` more: a stand-in for a server's weight reload."""
+
+    def __init__(self, sync_sec: float = 0.2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sync_sec = sync_sec
+
+    def update_weights(self, policy: nn.Module, version: int) -> None:
+        time.sleep(self.sync_sec)
+        super().update_weights(policy, version)

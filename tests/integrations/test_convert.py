@@ -13,8 +13,10 @@ import lightning_dta as dta
 from lightning_dta import cli
 from tests import helpers
 
-VERL = {"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_high": 0.28},
+VERL = {"actor_rollout_ref": {"actor": {"loss_agg_mode": "seq-mean-token-mean", "clip_ratio_high": 0.28,
+                                        "ppo_mini_batch_size": 8, "ppo_epochs": 2},
                               "rollout": {"n": 8, "temperature": 0.9}},
+        "data": {"train_batch_size": 16}, "trainer": {"balance_batch": False},
         "algorithm": {"adv_estimator": "grpo", "rollout_correction": {
             "rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k1,seq_mean_k3",
             "rollout_rs_threshold": "0.5_2.0,0.02"}}}
@@ -31,10 +33,12 @@ def test_the_fragment_instantiates_the_converted_settings(tmp_path: Path, capsys
                            f"--trainer.default_root_dir={tmp_path}",
                            f"--trainer.logger.init_args.save_dir={tmp_path}"], run=False)
     converted = dta.PolicyLoss.from_verl(VERL["actor_rollout_ref"]["actor"], VERL["algorithm"],
-                                         VERL["actor_rollout_ref"]["rollout"])
+                                         VERL["actor_rollout_ref"]["rollout"], VERL["data"], VERL["trainer"])
     assert parsed.model.loss_fn == converted.loss and parsed.model.loss_fn.rejection
     assert parsed.model.engine.policy_temperature == 0.9
     assert parsed.datamodule.source.advantage_options == {"std_unbiased": True, "eps": 1e-6}
+    # verl's 16 prompts in mini-batches of 8, two epochs: two steps per generation batch, each trained twice
+    assert parsed.datamodule.source.generation == dta.GenerationBatches(steps_per_generation=2, epochs=2)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -3,7 +3,8 @@
 Every process first computes the single-process reference itself (plain ``tree_backward`` over ALL rollouts,
 clipping, SGD), before any process group exists, then joins the N-rank Trainer run. Rank 1 perturbs its initial
 weights, so matching results also prove the broadcast at setup. Each rank saves its gradients (after the
-cross-rank sum and the clipping), its updated weights, the reference and the logged loss to ``OUT/rank{r}.pt``.
+cross-rank sum and the clipping), its updated weights, the reference and the logged loss and log-prob gap to
+``OUT/rank{r}.pt``.
 
 With ``--critic`` the module also trains a critic (GAE advantages from its values, whitened over the whole step,
 rewards on the rollouts) and each rank saves the critic's weights: test_distributed compares 2 ranks with 1.
@@ -23,6 +24,7 @@ import torch
 
 import lightning_dta as dta
 from tests.helpers.lightning import StepBatchData, grpo_rollouts, rank_batch, reference_step, tiny_llama
+from tests.helpers.reference import reference_logprob_gap
 
 LR = 0.5
 CLIP = 0.05  # below the gradient norm, so clipping is active and must act on the SUMMED gradient
@@ -43,6 +45,7 @@ def main() -> None:
         rollout.reward = (index % 5) / 4  # for GAE; ignored otherwise
     model = tiny_llama()
     ref = reference_step(model, rollouts, LOSS, lr=LR, clip=CLIP)
+    ref["logprob_gap"] = reference_logprob_gap(model, rollouts)
     if int(os.environ.get("LOCAL_RANK", "0")) == 1:
         with torch.no_grad():  # a different start on rank 1: the strategy must broadcast rank 0's weights
             for p in model.parameters():
@@ -67,6 +70,8 @@ def main() -> None:
                 "weights": {n: p.detach().clone() for n, p in module.model.named_parameters()},
                 "loss": float(trainer.callback_metrics["train/loss"]),
                 "grad_norm": float(trainer.callback_metrics["train/grad_norm"]),
+                "logprob_gap": tuple(float(trainer.callback_metrics[f"train/logprob_gap_{name}"])
+                                     for name in ("max", "mean", "kl")),
                 "had_tree": rank_batch(rollouts, rank, devices, empty_rank).tree is not None,
                 "world_size": trainer.world_size, "reference": ref,
                 "critic": {n: p.detach().clone() for n, p in module.critic.model.named_parameters()}

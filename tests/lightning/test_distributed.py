@@ -55,6 +55,8 @@ def test_two_ranks_match_one_process(tmp_path: Path, empty_rank: int | None) -> 
         assert r["reference"]["loss"] == ref["loss"]  # same data and start on both ranks
         assert r["loss"] == pytest.approx(ref["loss"], rel=RTOL)  # the logged loss is the whole step's
         assert r["grad_norm"] == pytest.approx(ref["grad_norm"], rel=RTOL)  # norm of the SUMMED gradient
+        # the log-prob gap of the whole step (the largest over ranks, token-weighted means), from its definition
+        assert r["logprob_gap"] == pytest.approx(ref["logprob_gap"], rel=RTOL), (r["logprob_gap"], ref)
         for name, grad in ref["grads"].items():
             torch.testing.assert_close(r["grads"][name], grad, rtol=RTOL, atol=ATOL, msg=name)
             torch.testing.assert_close(r["weights"][name], ref["weights"][name], rtol=RTOL, atol=ATOL, msg=name)

@@ -1,9 +1,11 @@
 """Generation batches on the file and iterable sources: advantages over the whole batch (against the definition),
-splits that keep groups whole (the same on every rank), the shuffled split's cost in compression, refusals, and a
-resume in the middle of a generation batch (bitwise, strategy "dta")."""
+splits that keep groups whole (the same on every rank), the shuffled split's cost in compression, refusals, a
+resume in the middle of a generation batch (bitwise, strategy "dta"), and a critic's GAE taken once per batch."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 import random
@@ -13,6 +15,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 
 import lightning_dta as dta
 from lightning_dta import Rollout, write_rollouts
@@ -20,7 +23,8 @@ from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.generation import GenerationBatches
 from lightning_dta.lightning.data import RolloutDataModule
 from tests import helpers
-from tests.helpers.lightning import TINY_LLAMA
+from tests.helpers.lightning import TINY_LLAMA, tiny_llama
+from tests.lightning.test_module import _critic_values, _gae_by_hand, _rewarded_rollouts_and_critic
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
 
@@ -166,8 +170,6 @@ def test_generation_batches_that_cannot_be_split_are_refused(tmp_path: Path) -> 
     for bad in (dict(steps_per_generation=0), dict(epochs=1.5), dict(split="random"), dict(steps=2)):
         with pytest.raises(ConfigError, match="Fix: "):
             GenerationBatches.resolve(bad)
-    with pytest.raises(ConfigError, match="'gae' .*Fix: "):  # the critic would estimate per step
-        RolloutDataModule(path=path, advantage_estimator="gae", generation=GenerationBatches(steps_per_generation=2))
     as_mapping = RolloutDataModule(path=path, advantage_estimator="grpo", generation={"steps_per_generation": 3})
     assert as_mapping.source.generation == GenerationBatches(steps_per_generation=3) and len(as_mapping.source) == 3
 
@@ -230,3 +232,90 @@ def test_a_checkpoint_of_other_generation_batches_is_refused() -> None:
                               generation=GenerationBatches(steps_per_generation=2))
     with pytest.raises(ConfigError, match="generation .*Fix: "):
         other.load_state_dict(state)
+
+
+class _StepTrees(Callback):
+    """Each step's rollouts as the critic estimated them, and a copy of the critic after each step."""
+
+    def __init__(self) -> None:
+        self.rollouts: list[list[Rollout]] = []
+        self.critics: list[torch.nn.Module] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rollouts.append(list(batch.rollouts))
+        self.critics.append(copy.deepcopy(pl_module.critic.model))
+
+
+def _whitened_by_hand(rollouts: list[Rollout]) -> dict[tuple, list[float]]:
+    """verl's masked_whiten over every trained (token, rollout) pair of ``rollouts``: (A - mean) / sqrt(var + 1e-8),
+    var the unbiased variance; by rollout tokens."""
+    pairs = [a for r in rollouts for t, a in enumerate(r.advantages) if r.loss_mask[t] and t > 0]
+    mean = math.fsum(pairs) / len(pairs)
+    var = math.fsum((a - mean) ** 2 for a in pairs) / (len(pairs) - 1)
+    return {key(r): [(a - mean) / math.sqrt(var + 1e-8) if r.loss_mask[t] and t > 0 else a
+                     for t, a in enumerate(r.advantages)] for r in rollouts}
+
+
+def _gae_run(tmp_path: Path, path: Path, max_steps: int, callbacks=(), ckpt=None, save=None,
+             iterable: bool = False) -> dta.DTAModule:
+    """A critic (whiten) on generation batches of 2 steps of whole groups from ``path`` (or, ``iterable``, its
+    rollouts as one item of an iterable source), SGD for both models."""
+    _, critic = _rewarded_rollouts_and_critic()
+    module = dta.DTAModule(tiny_llama(), optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                           critic=dta.PPOCritic(critic, optimizer=functools.partial(torch.optim.SGD, lr=0.5),
+                                                gamma=0.9, lam=0.8, whiten=True))
+    generation = GenerationBatches(steps_per_generation=2)
+    data = RolloutDataModule(source=[dta.read_rollouts(path)], advantage_estimator="gae", generation=generation) \
+        if iterable else RolloutDataModule(path=path, advantage_estimator="gae", rollouts_per_step=6,  # x 2: all 12
+                                           generation=generation)
+    fit = L.Trainer(strategy="dta", accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    default_root_dir=tmp_path, callbacks=list(callbacks))
+    fit.fit(module, data, ckpt_path=ckpt)
+    if save is not None:
+        fit.save_checkpoint(save)
+    return module
+
+
+@pytest.mark.parametrize("iterable", [False, True], ids=["file", "iterable"])
+def test_a_critic_estimates_gae_once_over_the_whole_generation_batch(tmp_path: Path, iterable: bool) -> None:
+    """verl's order: the critic's values of the whole generation batch before its first update, GAE per rollout and
+    its whitening over the whole batch, then the split. Step 2 trains on those, although the critic was updated by
+    step 1: its values, and a whitening over step 2 alone, would give other advantages."""
+    rollouts, critic = _rewarded_rollouts_and_critic()  # 3 groups of 4: one generation batch, 2 steps
+    path = tmp_path / "gae.jsonl"
+    write_rollouts(path, rollouts)
+    gae = [_gae_by_hand(dataclasses.replace(r, old_values=_critic_values(critic, r)), 0.9, 0.8) for r in rollouts]
+    expected = _whitened_by_hand(gae)
+    values = {key(r): r.old_values for r in gae}
+    steps = _StepTrees()
+    _gae_run(tmp_path, path, 2, callbacks=[steps], iterable=iterable)
+    assert [len(step) for step in steps.rollouts] == [4, 8]  # whole groups of 4: 1 and 2 of the batch's 3
+    for step in steps.rollouts:
+        for r in step:
+            assert r.advantages == pytest.approx(expected[key(r)], rel=1e-5, abs=1e-6)
+            assert r.old_values == pytest.approx(values[key(r)], rel=1e-5, abs=1e-6)
+    # the estimate is not the step's: the critic after step 1 values step 2's rollouts otherwise, and step 2's
+    # rollouts whitened alone have other advantages
+    second = steps.rollouts[1]
+    moved = [_critic_values(steps.critics[0], r) for r in second]
+    assert max(abs(a - b) for r, v in zip(second, moved) for a, b in zip(r.old_values, v)) > 1e-3
+    alone = _whitened_by_hand([next(g for g in gae if key(g) == key(r)) for r in second])
+    assert max(abs(a - b) for r in second for a, b in zip(alone[key(r)], expected[key(r)])) > 1e-2
+
+
+def test_a_critic_run_resumed_in_the_middle_of_a_generation_batch_is_bitwise_the_uninterrupted_one(tmp_path: Path
+                                                                                                    ) -> None:
+    """The batch's estimates (made with the critic's weights before step 1) travel in the checkpoint: the resumed
+    run's step 2 trains on them, as the uninterrupted run's does, to the same policy and critic bit for bit."""
+    rollouts, _ = _rewarded_rollouts_and_critic()
+    path = tmp_path / "gae.jsonl"
+    write_rollouts(path, rollouts)
+    ckpt = tmp_path / "step1.ckpt"
+    uninterrupted = _gae_run(tmp_path / "a", path, 2)
+    _gae_run(tmp_path / "b", path, 1, save=ckpt)
+    resumed = _gae_run(tmp_path / "c", path, 2, ckpt=ckpt)
+    for model in ("model", "critic"):
+        for (name, weight), again in zip(getattr(uninterrupted, model).named_parameters(),
+                                         getattr(resumed, model).parameters()):
+            torch.testing.assert_close(again, weight, rtol=0, atol=0, msg=f"{model}.{name}")

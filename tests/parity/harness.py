@@ -161,10 +161,53 @@ def tree_step(model: torch.nn.Module, rollouts: list[dta.Rollout], converted) ->
     return out.loss, grads(model)
 
 
-def assert_same(ours: tuple[float, dict], theirs: tuple[float, dict], rtol: float = 1e-9) -> None:
+def assert_same(ours: tuple[float, dict], theirs: tuple[float, dict], rtol: float = 1e-9, atol: float = 0.0) -> None:
+    """Loss to ``rtol`` (or ``atol``: a loss that cancels to ~0, whose inputs carry float32 errors) and every
+    parameter's gradient to ``rtol`` relative."""
     (loss, mine), (their_loss, their_grads) = ours, theirs
-    assert abs(loss - their_loss) <= rtol * max(abs(their_loss), 1e-3), (loss, their_loss)
+    assert abs(loss - their_loss) <= max(rtol * max(abs(their_loss), 1e-3), atol), (loss, their_loss)
     assert set(mine) == set(their_grads)
     for name, expected in their_grads.items():
         error = float((mine[name] - expected).norm()) / max(float(expected.norm()), 1e-30)
         assert error <= rtol, f"{name}: relative gradient error {error:.2e} > {rtol:.0e}"
+
+
+def generation_steps(rollouts: list[dta.Rollout], converted, seed: int = 0) -> list[list[dta.Rollout]]:
+    """Our pipeline on one generation batch, as the data module's iterable source runs it: the converted estimator
+    over the whole batch, then the converted ``generation`` split into its optimizer steps (in training order)."""
+    from lightning_dta.contracts import ModelLimits
+    from lightning_dta.lightning.sources import IterableSteps
+
+    source = IterableSteps([rollouts], converted.advantage_estimator, converted.advantage_options,
+                           converted.generation, seed)
+    return [step for _, step in source.steps(0, 0, ModelLimits())]
+
+
+def sgd_update(model: torch.nn.Module, gradients: dict[str, torch.Tensor], lr: float) -> None:
+    """One optimizer step between the two compared steps (the same on both sides): ``p -= lr * g``."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name in gradients:
+                parameter -= lr * gradients[name]
+
+
+def relative_gap(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """The largest per-parameter relative gradient difference (what ``assert_same`` bounds)."""
+    return max(float((ours[n] - g).norm()) / max(float(g.norm()), 1e-30) for n, g in theirs.items())
+
+
+def subset(batch: PaddedBatch, index: list[int]) -> PaddedBatch:
+    """The rows ``index`` of ``batch`` (one optimizer step of a generation batch)."""
+    return PaddedBatch([batch.prompts[i] for i in index], batch.completions[index],
+                       [batch.lengths[i] for i in index], batch.mask[index], batch.advantages[index],
+                       batch.behaviour[index], batch.recomputed[index], batch.ref[index],
+                       [batch.groups[i] for i in index])
+
+
+def rows_of(step: list[dta.Rollout], batch: PaddedBatch) -> list[int]:
+    """Which rows of ``batch`` the rollouts of ``step`` are (by their tokens and group)."""
+    rows: dict = {}
+    for i, prompt in enumerate(batch.prompts):
+        rows.setdefault((batch.groups[i], tuple(prompt + batch.completions[i, :batch.lengths[i]].tolist())),
+                        []).append(i)
+    return [rows[(r.group_id, tuple(r.input_ids))].pop(0) for r in step]

@@ -10,6 +10,7 @@ Skipped without AReaL (``bash scripts/install_parity.sh``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import types
@@ -99,3 +100,59 @@ def test_advantage_normalisation_equals_areals(levels):
             for i, (n, r) in enumerate(zip(lengths, rewards))]
     ours = dta.core.advantages.estimate_advantages(step, converted.advantage_estimator, converted.advantage_options)
     assert [r.advantages for r in ours] == pytest.approx(theirs[:, 0].tolist(), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("levels", [("batch", "batch"), ("group", "group")])
+def test_a_batch_of_minibatches_equals_areals_own(levels):
+    """AReaL's ``PPOActor.compute_advantages`` (adv_norm over the whole batch of 16 rollouts, 4 groups of 4) against
+    our iterable source with the converted settings (estimated over the whole batch, cut into ppo_n_minibatches=4
+    steps); then the gradients of the first two steps against ``ppo_actor_loss_fn`` on the same rows with AReaL's
+    advantages (one SGD step between them, so the second step's ratio departs from 1). AReaL packs its minibatches
+    by token count, which the converter does not reproduce: AReaL's loss runs on the rows of our group-preserving
+    steps. To 1e-6: AReaL's advantages are float32; measured 2e-7 on the advantages, 1e-7 relative on the gradients."""
+    from areal.api.cli_args import PPOActorConfig
+    from areal.trainer.ppo.actor import PPOActor
+
+    from tests.parity.harness import generation_steps, rows_of, sgd_update, subset
+
+    mean, std = levels
+    norm = dict(mean_level=mean, std_level=std, group_size=4)
+    converted = dta.PolicyLoss.from_areal({**BASE, "adv_norm": norm, "ppo_n_minibatches": 4})
+    assert converted.generation == {"steps_per_generation": 4, "epochs": 1, "split": "groups"}
+    model = tiny_model()
+    batch = make_batch(model, seed=7, groups=4, per_group=4)
+    rewards = [0.25 * ((3 * i) % 7) for i in range(batch.rows)]  # exact in float32
+    trajectories = []
+    for i, prompt in enumerate(batch.prompts):
+        n, p = batch.lengths[i], len(prompt)
+        logp = torch.tensor([0.0] * p + batch.behaviour[i, :n].tolist(), dtype=torch.float32)[None]
+        trajectories.append({"input_ids": torch.tensor([prompt + batch.completions[i, :n].tolist()]),
+                             "attention_mask": torch.ones(1, p + n, dtype=torch.long),
+                             "loss_mask": torch.tensor([[0] * p + batch.mask[i, :n].long().tolist()]),
+                             "logprobs": logp, "prox_logp": logp, "rewards": torch.tensor([rewards[i]])})
+    actor = PPOActor(PPOActorConfig(**BASE, adv_norm=NormConfig(**norm), ppo_n_minibatches=4), None)
+    theirs_adv = torch.zeros(batch.rows, batch.mask.shape[1], dtype=torch.float64)
+    for i, out in enumerate(actor.compute_advantages(trajectories)):  # position t: token t + 1's advantage
+        p = len(batch.prompts[i])
+        theirs_adv[i, :batch.lengths[i]] = out["advantages"][0, p - 1:p - 1 + batch.lengths[i]].double()
+    theirs_adv *= batch.mask
+    ours_in = [dataclasses.replace(r, advantages=0.0, reward=rewards[i])
+               for i, r in enumerate(rollouts(batch, converted.rollout_fields))]
+    steps = generation_steps(ours_in, converted)
+    assert len(steps) == 4
+    for step in steps:
+        for r, i in zip(step, rows_of(step, batch)):
+            if batch.mask[i].any():  # a rollout that trains no token has no advantage in AReaL
+                got = torch.tensor(r.advantages).expand(batch.lengths[i]) * batch.mask[i, :batch.lengths[i]]
+                assert got.tolist() == pytest.approx(theirs_adv[i, :batch.lengths[i]].tolist(), abs=1e-6)
+    for k in range(2):
+        index = rows_of(steps[k], batch)
+        part = subset(batch, index)
+        model.zero_grad(set_to_none=True)
+        logp, _ = logp_and_entropy(model, part)
+        loss, _ = ppo_actor_loss_fn(logprobs=logp, proximal_logprobs=part.behaviour, old_logprobs=part.behaviour,
+                                    advantages=theirs_adv[index], loss_mask=part.mask > 0, eps_clip=0.2)
+        loss.backward()
+        theirs = (float(loss.detach()), grads(model))
+        assert_same(tree_step(model, steps[k], converted), theirs, rtol=1e-6, atol=1e-6)
+        sgd_update(model, theirs[1], lr=2.0)

@@ -22,11 +22,13 @@ import lightning_dta as dta  # noqa: E402
 from tests.parity.harness import (  # noqa: E402
     THEIR_NAMES,
     assert_same,
+    generation_steps,
     grads,
     logp_and_entropy,
     make_batch,
     rollouts,
     save_model_dir,
+    sgd_update,
     tiny_model,
     tree_step,
 )
@@ -72,18 +74,23 @@ def trainer(model_dir: str, tmp_path, **settings):
     from datasets import Dataset
     from transformers import AutoTokenizer
 
-    config = trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                            use_cpu=True, report_to=[], bf16=False, fp16=False, logging_steps=1,
-                            model_init_kwargs={"dtype": torch.float64},
-                            **{k: v for k, v in settings.items() if k != "use_vllm"})
-    tr = trl.GRPOTrainer(model=model_dir, reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                         args=config, train_dataset=Dataset.from_dict({"prompt": ["t5 t6"]}),
+    config = trl.GRPOConfig(**{"output_dir": str(tmp_path), "per_device_train_batch_size": 4, "num_generations": 4,
+                               "use_cpu": True, "report_to": [], "bf16": False, "fp16": False, "logging_steps": 1,
+                               "model_init_kwargs": {"dtype": torch.float64},
+                               **{k: v for k, v in settings.items() if k != "use_vllm"}})
+    tr = trl.GRPOTrainer(model=model_dir, reward_funcs=reward, args=config,
+                         train_dataset=Dataset.from_dict({"prompt": ["t5 t6"]}),
                          processing_class=AutoTokenizer.from_pretrained(model_dir))
     tr.model.train()
     tr.current_gradient_accumulation_steps = 1  # set by Trainer's loop
     if settings.get("use_vllm"):  # the loss only reads these; vLLM itself is not needed for it
         tr.use_vllm, tr.vllm_importance_sampling_correction = True, True
     return tr, config
+
+
+def reward(completion_ids, **_) -> list[float]:
+    """A reward of each completion's tokens, in quarters (exact in TRL's float32)."""
+    return [0.25 * (sum(ids) % 5) for ids in completion_ids]
 
 
 def vllm_ratio(batch, config) -> torch.Tensor:
@@ -160,3 +167,91 @@ def test_group_advantages_equal_trls_formula():
         ours = dta.core.advantages.estimate_advantages(step, converted.advantage_estimator,
                                                        converted.advantage_options)
         assert [r.advantages for r in ours] == pytest.approx(expected.tolist(), rel=1e-7, abs=1e-12), scale
+
+
+GENERATION = {  # one generation batch of 16 completions (4 prompts x 4), gradient_accumulation_steps=2
+    "grpo, scale_rewards batch, 4 steps per generation": dict(scale_rewards="batch", steps_per_generation=8,
+                                                               per_device_train_batch_size=2),
+    "grpo, scale_rewards group, 4 steps per generation": dict(scale_rewards="group", steps_per_generation=8,
+                                                               per_device_train_batch_size=2),
+    "grpo, scale_rewards batch, num_iterations 2": dict(scale_rewards="batch", steps_per_generation=2,
+                                                         per_device_train_batch_size=8, num_iterations=2),
+}
+
+
+def trl_micro_batch(rows: dict, index: list[int], model) -> tuple[dict, tuple]:
+    """The rows ``index`` of TRL's generation batch as a micro-batch of its ``_compute_loss`` inputs, with our
+    float64 log-probs and entropies of them (TRL's kernel accumulates in float32)."""
+    from tests.parity.harness import PaddedBatch
+
+    pick = {k: v[index] for k, v in rows.items() if torch.is_tensor(v) and v.dim() > 0}
+    prompts = [ids[mask.bool()].tolist() for ids, mask in zip(pick["prompt_ids"], pick["prompt_mask"])]
+    mask = pick["completion_mask"].to(torch.float64)
+    batch = PaddedBatch(prompts, pick["completion_ids"], [int(n) for n in mask.sum(1)], mask,
+                        pick["advantages"].to(torch.float64), mask, mask, mask, [0] * len(index))
+    inputs = {**pick, "old_per_token_logps": pick["old_per_token_logps"].to(torch.float64),
+              "advantages": pick["advantages"].to(torch.float64), "num_items_in_batch": rows["num_items_in_batch"]}
+    return inputs, logp_and_entropy(model, batch)
+
+
+@pytest.mark.parametrize("name", list(GENERATION))
+def test_a_generation_batch_equals_trls_own(name, model_dir, tmp_path):
+    """TRL's ``_generate_and_score_completions`` generates, scores and estimates the advantages of one generation
+    batch (steps_per_generation micro-batches, gradient_accumulation_steps=2); the converted settings run
+    the same completions through our iterable source (estimated over the whole batch, cut into steps). Every
+    advantage equals TRL's, and so do the gradients of the first two optimizer steps (TRL's ``_compute_loss`` summed
+    over each step's two micro-batches; after the first, one SGD step on both sides, so the second step's ratio
+    departs from 1 and the clip binds). TRL shuffles with its own torch.randperm, which the converter does not
+    reproduce: TRL's loss runs on the rows of our steps, with TRL's advantages. To 1e-6: TRL's advantages are
+    float32 (its rewards, mean and std); measured 6e-8 on the advantages, 4e-8 relative on the gradients."""
+    settings = dict(loss_type="grpo", gradient_accumulation_steps=2, max_completion_length=6, **GENERATION[name])
+    tr, config = trainer(model_dir, tmp_path, **settings)
+    converted = dta.PolicyLoss.from_trl(config.to_dict())
+    assert converted.generation["split"] == "shuffled"
+    torch.manual_seed(0)
+    prompts = [f"t{5 + p} t{9 + p} t{13 + p}" for p in range(4)]
+    assert config.generation_batch_size == 16
+    rows = tr._generate_and_score_completions([{"prompt": p} for p in prompts for _ in range(4)])
+    assert rows["old_per_token_logps"] is not None
+    mask = rows["completion_mask"]
+    ours_in, keys = [], []
+    for i in range(16):
+        prompt = rows["prompt_ids"][i][rows["prompt_mask"][i].bool()].tolist()
+        n = int(mask[i].sum())
+        ids = prompt + rows["completion_ids"][i, :n].tolist()
+        keys.append((i // 4, tuple(ids)))
+        ours_in.append(dta.Rollout(input_ids=ids, loss_mask=[0] * len(prompt) + [1] * n, group_id=i // 4,
+                                   reward=reward([rows["completion_ids"][i, :n].tolist()])[0],
+                                   old_logprobs=[0.0] * len(prompt) + rows["old_per_token_logps"][i, :n].tolist()))
+    steps = generation_steps(ours_in, converted)
+    assert len(steps) == converted.generation["steps_per_generation"] * converted.generation["epochs"]
+    theirs_by_key: dict = {}
+    for i, key in enumerate(keys):
+        theirs_by_key.setdefault(key, []).append(i)
+    first_pass = steps[:converted.generation["steps_per_generation"]]
+    assert sorted(key for step in first_pass for key in ((r.group_id, tuple(r.input_ids)) for r in step)) == \
+        sorted(keys)
+    ours_adv = {(r.group_id, tuple(r.input_ids)): r.advantages for step in first_pass for r in step}
+    gap = max(abs(ours_adv[key] - float(rows["advantages"][i])) for i, key in enumerate(keys))
+    assert gap <= 1e-6 * max(float(rows["advantages"].abs().max()), 1.0), gap
+    model = tiny_model()
+    tr.current_gradient_accumulation_steps = 2
+    moved = 0.0
+    for k in range(2):
+        index = [theirs_by_key[(r.group_id, tuple(r.input_ids))][0] for r in steps[k]]
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        half = len(index) // 2  # TRL's two micro-batches of the step
+        for micro in (index[:half], index[half:]):
+            inputs, logps = trl_micro_batch(rows, micro, model)
+            tr._get_per_token_logps_and_entropies = lambda *args, _l=logps, **kwargs: (*_l, None)
+            loss = tr._compute_loss(tr.model, inputs)
+            loss.backward()
+            total += float(loss.detach())
+            ratio = (logps[0].detach() - inputs["old_per_token_logps"]).exp()[inputs["completion_mask"].bool()]
+            moved = max(moved, float((ratio - 1).abs().max()))
+        theirs = (total, grads(model))
+        # the loss of a whole batch cancels to ~1e-9 (zero-sum advantages): to 1e-6 absolute, as the advantages
+        assert_same(tree_step(model, steps[k], converted), theirs, rtol=1e-6, atol=1e-6)
+        sgd_update(model, theirs[1], lr=2.0)
+    assert moved > 0.2  # in the second step the policy has moved past TRL's clip (epsilon 0.2)

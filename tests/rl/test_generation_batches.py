@@ -1,9 +1,11 @@
 """Generation batches on the online source: one generation feeds several steps of whole prompts (multi-turn episodes
-whole), advantages over the whole generation batch, a mid-batch resume with the same steps, and PPO's ratio and clip
-at work from the second step of a batch on."""
+whole), advantages over the whole generation batch, a mid-batch resume with the same steps, PPO's ratio and clip
+at work from the second step of a batch on, and async: staleness in generation batches, decoupled PPO's proximal
+log-probs once per batch."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -18,7 +20,7 @@ from lightning_dta.core.generation import GenerationBatches
 from lightning_dta.lightning.data import RolloutDataModule
 from lightning_dta.rl import HFGenerator, OnlineRLCallback, OnlineRolloutSource, ReverseDigits
 from tests.helpers.rl import ScriptedGenerator, tiny_policy
-from tests.rl.test_source import TwoTurnEnv
+from tests.rl.test_source import TwoTurnEnv, drive
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Lightning's advice on workers and logging
 
@@ -75,8 +77,6 @@ def test_a_source_resumed_in_the_middle_of_a_generation_batch_hands_out_its_next
 
 
 def test_settings_that_do_not_fit_are_refused() -> None:
-    with pytest.raises(ConfigError, match="sync mode only.*Fix: "):
-        two_turn_source(rollout_mode="async")
     with pytest.raises(ConfigError, match="data.generation.*Fix: "):
         RolloutDataModule(source=two_turn_source(), generation=GenerationBatches(steps_per_generation=2))
 
@@ -140,3 +140,76 @@ def test_an_online_run_resumed_in_the_middle_of_a_generation_batch_is_bitwise_th
     assert any(not torch.equal(after_two[n], uninterrupted[n]) for n in uninterrupted)
     for name, weight in uninterrupted.items():
         torch.testing.assert_close(resumed[name], weight, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1, 2])
+def test_async_staleness_counts_generation_batches(max_staleness: int) -> None:
+    """Async, 2 steps per generation batch: batch i is generated with the weights that start training batch
+    i - max_staleness (version 2 (i - max_staleness), 0 before any), the background thread holds at most
+    max_staleness batches ahead, and each of a batch's steps is handed out with the batch's version."""
+    src = two_turn_source(rollout_mode="async", max_staleness=max_staleness)
+    src.attach(tiny_policy())
+    try:
+        infos = drive(src, steps=6, run_ahead=max_staleness)
+        assert src.steps_ahead == max_staleness  # batches waiting: never more than the bound
+    finally:
+        src.close()
+    batches = [step // 2 for step in range(6)]
+    assert [i.index for i in infos] == batches and len(src.history) == 3
+    assert [i.policy_version for i in infos] == [2 * max(0, b - max_staleness) for b in batches]
+    assert [i.trained_version for i in infos] == list(range(6))
+    assert [i.staleness for i in infos] == [s - 2 * max(0, b - max_staleness) for s, b in zip(range(6), batches)]
+    used = src.generator.versions  # the weights' version at every generate call (batches ahead included)
+    assert used == sorted(used) and {i.policy_version for i in infos} <= set(used)
+    assert all(version % 2 == 0 for version in used)  # only ever the weights a batch starts training with
+
+
+def test_decoupled_ppo_takes_the_proximal_logprobs_once_per_generation_batch() -> None:
+    """AReaL's recompute before the mini-batches: the proximal log-probs of a generation batch are the weights of its
+    first step, for every step of the batch; the next batch gets the weights of its own first step."""
+    policy = tiny_policy(scale=2.0)
+    src = two_turn_source(rollout_mode="async", max_staleness=1)
+    src.attach(policy)
+    snapshots, steps = [], []
+    try:
+        for version in range(4):  # two generation batches of two steps
+            snapshots.append(copy.deepcopy(policy))
+            steps.append(src.next_step())
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.mul_(1.1)  # "an optimizer step"
+            src.update_policy(policy, version + 1)
+    finally:
+        src.close()
+    for step, weights in zip(steps, (0, 0, 2, 2)):  # each step's batch's first step
+        tree = dta.PrefixTree.from_rollouts(step)
+        for rollout, logprobs in zip(step, dta.tree_logprobs(snapshots[weights], tree)):
+            assert rollout.prox_logprobs == pytest.approx([0.0, *logprobs.tolist()], abs=1e-6)
+    # not the step's own weights: step 2 of the batch would have another ratio's anchor
+    tree = dta.PrefixTree.from_rollouts(steps[1])
+    moved = dta.tree_logprobs(snapshots[1], tree)
+    assert max(abs(r.prox_logprobs[t] - float(lp[t - 1])) for r, lp in zip(steps[1], moved)
+               for t, m in enumerate(r.loss_mask) if m) > 1e-3
+
+
+def test_an_async_source_resumed_in_the_middle_of_a_batch_pins_the_next_batch_after_its_remaining_steps() -> None:
+    """max_staleness 0, 2 steps per batch, stopped after step 0 (at version 1): the resumed source first hands out
+    step 1 of batch 0 from the checkpoint, trained at version 1, and generates batch 1 with the weights after it
+    (version 2), fresh as the bound says, not with the weights it was attached with."""
+    src = two_turn_source(rollout_mode="async", max_staleness=0)
+    src.attach(tiny_policy())
+    try:
+        src.next_step()
+        src.update_policy(src.policy, 1)
+        state = src.state_dict()
+    finally:
+        src.close()
+    resumed = two_turn_source(rollout_mode="async", max_staleness=0)
+    resumed.load_state_dict(state)
+    resumed.attach(tiny_policy(), version=1)
+    try:
+        infos = drive(resumed, steps=3, start_version=1)
+    finally:
+        resumed.close()
+    assert [(i.index, i.policy_version, i.trained_version) for i in infos] == [(0, 0, 1), (1, 2, 2), (1, 2, 3)]
+    assert resumed.generator.versions and set(resumed.generator.versions) <= {2, 4}

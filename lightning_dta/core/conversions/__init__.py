@@ -43,6 +43,9 @@ class Converted:
         engine: :class:`~lightning_dta.EngineOptions` fields their settings fix (the policy's temperature).
         critic: ``PPOCritic`` keyword arguments (``gamma``, ``lam``, ``whiten``) when GAE estimates the advantages.
         rollout_fields: which of their per-token tensors goes into which ``Rollout`` field.
+        generation: :class:`~lightning_dta.core.generation.GenerationBatches` fields (``steps_per_generation``,
+            ``epochs``, ``split``) for their mini-batches and PPO epochs: the optimizer steps one generation batch
+            feeds, its advantages estimated once over all of it as theirs are; ``None``: one step per batch.
         notes: what is the same only up to their numerical guards, or lies on the data side.
     """
 
@@ -52,11 +55,14 @@ class Converted:
     engine: dict[str, Any] = field(default_factory=dict)
     critic: dict[str, Any] | None = None
     rollout_fields: dict[str, str] = field(default_factory=dict)
+    generation: dict[str, Any] | None = None
     notes: tuple[str, ...] = ()
 
     def to_config(self) -> dict[str, Any]:
         """The settings as a LightningCLI config fragment (``model.loss``, ``model.engine``, ``model.critic``,
-        ``data.advantage_estimator`` / ``advantage_options``), only what differs from our defaults."""
+        ``data.advantage_estimator`` / ``advantage_options`` / ``generation``), only what differs from our defaults.
+        ``data.generation`` is the file and iterable sources' place; the online source takes the same mapping as
+        ``data.source.init_args.generation``."""
         loss = {f.name: _plain(getattr(self.loss, f.name)) for f in dataclasses.fields(self.loss)  # our dataclass
                 if getattr(self.loss, f.name) != f.default}  # our dataclass's own fields
         model: dict[str, Any] = {"loss": loss}
@@ -67,7 +73,17 @@ class Converted:
         data: dict[str, Any] = {"advantage_estimator": self.advantage_estimator}
         if self.advantage_options:
             data["advantage_options"] = dict(self.advantage_options)
+        if self.generation is not None:
+            data["generation"] = dict(self.generation)
         return {"model": model, "data": data}
+
+
+def generation(steps_per_generation: int, epochs: int, split: str) -> dict[str, Any] | None:
+    """Their mini-batches per generation batch and passes over it as our ``generation`` fields; ``None`` for one
+    step and one pass (our default, nothing to set)."""
+    if steps_per_generation == 1 and epochs == 1:
+        return None
+    return {"steps_per_generation": steps_per_generation, "epochs": epochs, "split": split}
 
 
 def _plain(value: Any) -> Any:
@@ -105,6 +121,13 @@ class Settings:
     @property
     def given(self) -> bool:
         return self.config is not None
+
+    def count(self, key: str, what: str) -> int:
+        """The setting ``key``, which counts ``what``, as a whole number >= 1."""
+        value = self.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise self.refuse(key, f"it counts {what}", "a whole number >= 1")
+        return value
 
     def refuse(self, key: str, reason: str, nearest: str) -> ConversionError:
         return ConversionError(self.source, self.name(key), self.get(key), reason, nearest)

@@ -6,14 +6,17 @@ tokens over every rank, our ``token-mean`` (AReaL has no other aggregation, no e
 term). Per-token inputs: ``logprobs`` (the inference engine's) -> ``old_logprobs``; with ``use_decoupled_loss``,
 ``prox_logp`` (the recompute) -> ``prox_logprobs``; ``loss_mask`` -> ``loss_mask``. Advantages: AReaL's GAE without a
 critic (``discount = gae_lambda = 1``) gives every trained token the rollout's reward, then ``adv_norm`` normalises
-over tokens: our ``grpo_advantages(weighting="token")``.
+over tokens: our ``grpo_advantages(weighting="token")``, once over the whole batch (``compute_advantages``) before
+``ppo_update`` cuts it into ``ppo_n_minibatches`` minibatches: our ``generation`` (``steps_per_generation``, one pass).
+AReaL packs its minibatches by token count (``split_padded_tensor_dict_into_mb_list``: rollouts of one group land in
+different minibatches); ours hold whole groups (``split: groups``): the same advantages, other rollouts per step.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_dta.core.conversions import Converted, Settings
+from lightning_dta.core.conversions import Converted, Settings, generation
 from lightning_dta.core.losses import PolicyLoss, Rejection
 
 SOURCE = "AReaL PPOActorConfig"
@@ -24,7 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "mask_no_eos_with_zero": False, "discount": 1.0, "gae_lambda": 1.0, "adv_norm": None, "kl_ctl": 0.1,
     "use_sapo_loss": False, "use_decoupled_loss": False, "rejection_sampling": None,
     "importance_sampling_level": "token", "prox_logp_method": "recompute", "temperature": 1.0,
-    "behav_imp_weight_cap": None, "behave_imp_weight_cap": None,
+    "behav_imp_weight_cap": None, "behave_imp_weight_cap": None, "ppo_n_minibatches": 4,
 }
 RS_DEFAULTS: dict[str, Any] = {"level": "token", "action": "mask", "metric": "ratio", "agg": "mean", "upper": 5.0,
                                "lower": None}
@@ -70,10 +73,18 @@ def from_areal(actor: Any) -> Converted:
     elif s.get("rejection_sampling") is not None:
         notes.append("rejection_sampling is ignored without use_decoupled_loss (as in AReaL)")
     estimator, options = _advantages(s, notes)
+    minibatches = s.count("ppo_n_minibatches", "minibatches (optimizer steps) per batch")
+    if minibatches > 1:
+        notes.append(f"generation: {minibatches} steps per batch, its advantages normalised over all of it as "
+                     "AReaL's; AReaL packs its minibatches by token count (a group's rollouts in several), ours hold "
+                     "whole groups (split: groups): the same advantages, other rollouts per step. A step is "
+                     "the batch / ppo_n_minibatches rollouts (rollouts_per_step for a file; the online source takes "
+                     "generation as data.source.init_args.generation)")
     temperature = float(s.get("temperature"))
     engine = {"policy_temperature": temperature} if temperature != 1.0 else {}
     return Converted(loss=PolicyLoss(**fields), advantage_estimator=estimator, advantage_options=options,
-                     engine=engine, rollout_fields=rollout_fields, notes=tuple(notes))
+                     engine=engine, rollout_fields=rollout_fields, generation=generation(minibatches, 1, "groups"),
+                     notes=tuple(notes))
 
 
 def _rejection_sampling(s: Settings, fields: dict[str, Any], level: str) -> None:

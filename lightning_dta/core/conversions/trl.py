@@ -1,7 +1,11 @@
 """TRL 1.16's ``GRPOConfig`` as our loss (``trl/trainer/grpo_trainer.py::_compute_loss``; docs/losses.md).
 
-One of our steps is one TRL optimizer step: ``gradient_accumulation_steps`` micro-batches, which are one
-generation batch when ``steps_per_generation`` is left at its default. TRL's per-token inputs map to ours as:
+One of our steps is one TRL optimizer step: ``gradient_accumulation_steps`` micro-batches. One TRL generation batch
+is ``steps_per_generation`` micro-batches (by default one optimizer step) and feeds ``num_iterations`` passes: our
+``generation`` (``steps_per_generation / gradient_accumulation_steps`` steps, ``num_iterations`` epochs), with the
+advantages estimated once over the whole generation batch as TRL's ``_generate_and_score_completions`` does. TRL
+shuffles the generation batch before cutting it (``shuffle_sequence_dict``, the global torch RNG): our ``split:
+shuffled`` does the same with its own seeded permutation. TRL's per-token inputs map to ours as:
 without vLLM's importance sampling, ``old_per_token_logps`` -> ``old_logprobs``; with it,
 ``sampling_per_token_logps`` (the inference engine's) -> ``old_logprobs`` and ``old_per_token_logps`` (the
 trainer's recompute) -> ``prox_logprobs``; ``ref_per_token_logps`` -> ``ref_logprobs``; ``completion_mask`` (x
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dta.core.conversions import Converted, Settings
+from lightning_dta.core.conversions import Converted, Settings, generation
 from lightning_dta.core.losses import PolicyLoss
 
 SOURCE = "TRL GRPOConfig"
@@ -53,7 +57,7 @@ def from_trl(config: Any) -> Converted:
                        "loss_type='dapo' (or 'cispo')")
     if loss_type not in AGGREGATION:
         raise s.refuse("loss_type", "not a TRL 1.16 loss type", f"one of {sorted(AGGREGATION)}")
-    accumulation = int(s.get("gradient_accumulation_steps") or 1)
+    accumulation = s.count("gradient_accumulation_steps", "micro-batches per optimizer step")
     steps_per_generation = s.get("steps_per_generation")
     if steps_per_generation is None and s.get("generation_batch_size") is not None:
         raise s.refuse("generation_batch_size", "it fixes steps_per_generation through the world size, which a "
@@ -63,6 +67,7 @@ def from_trl(config: Any) -> Converted:
                        "the tokens of the whole generation batch x gradient_accumulation_steps / "
                        "steps_per_generation, not by the step's own tokens", "leave steps_per_generation unset "
                        "(= gradient_accumulation_steps)")
+    batches = _generation(s, accumulation, notes)
     if loss_type == "bnpo" and accumulation > 1:
         raise s.refuse("loss_type", "bnpo averages each micro-batch over its own tokens and then the micro-batches "
                        f"(gradient_accumulation_steps={accumulation}); a step here has one normaliser",
@@ -125,7 +130,31 @@ def from_trl(config: Any) -> Converted:
                  "(group_id); TRL computes them in float32, here in float64")
     engine = {"policy_temperature": float(s.get("temperature"))} if float(s.get("temperature")) != 1.0 else {}
     return Converted(loss=PolicyLoss(**fields), advantage_estimator=estimator, advantage_options=options,
-                     engine=engine, rollout_fields=rollout_fields, notes=tuple(notes))
+                     engine=engine, rollout_fields=rollout_fields, generation=batches, notes=tuple(notes))
+
+
+def _generation(s: Settings, accumulation: int, notes: list[str]) -> dict[str, Any] | None:
+    """TRL's generation batch (``steps_per_generation`` micro-batches, ``num_iterations`` passes) as optimizer steps:
+    every step must lie inside one generation batch."""
+    micro = accumulation if s.get("steps_per_generation") is None else \
+        s.count("steps_per_generation", "micro-batches per generation batch")
+    epochs = s.count("num_iterations", "passes over each generation batch")
+    if micro % accumulation:
+        raise s.refuse("steps_per_generation", f"an optimizer step is gradient_accumulation_steps={accumulation} "
+                       "micro-batches, so this generation batch is no whole number of steps: a step would mix the "
+                       "advantages of two generation batches", f"a multiple of {accumulation}")
+    steps = micro // accumulation
+    if steps > 1:
+        notes.append(f"generation: one generation batch of steps_per_generation={micro} micro-batches is {steps} "
+                     "optimizer steps, its advantages estimated over all of it as TRL's; split: shuffled cuts it "
+                     "as TRL does after a permutation of our own (data seed, batch index), not TRL's torch.randperm: "
+                     "the steps hold other rollouts than TRL's would, with the same advantages (split: groups keeps "
+                     "each prompt's completions in one step, and the tree its sharing)")
+    if steps > 1 or epochs > 1:
+        notes.append("generation: a step is per_device_train_batch_size x processes x gradient_accumulation_steps "
+                     "rollouts (rollouts_per_step for a file; the online source's prompts_per_step x "
+                     "num_generations); the online source takes generation as data.source.init_args.generation")
+    return generation(steps, epochs, "shuffled")
 
 
 def _entropy(s: Settings, fields: dict[str, Any], accumulation: int) -> None:

@@ -6,13 +6,19 @@ token-mean divides by the mini-batch's tokens over every data-parallel rank and 
 it, an empty one included. Per-token inputs: without rollout correction ``old_log_prob`` -> ``old_logprobs``; with
 it, ``rollout_log_probs`` (the inference engine's) -> ``old_logprobs`` and ``old_log_prob`` (the trainer's
 recompute) -> ``prox_logprobs``; ``ref_log_prob`` -> ``ref_logprobs``; ``response_mask`` -> ``loss_mask``.
+
+verl's trainer estimates the advantages once over the whole batch (``data.train_batch_size x rollout.n`` rows: GRPO's
+groups, GAE's whitening over all its trained tokens), then the actor cuts it into ``train_batch_size /
+ppo_mini_batch_size`` consecutive mini-batches and runs ``ppo_epochs`` passes over them in the same order: our
+``generation`` with ``split: groups`` (the rows of a prompt are consecutive, so a mini-batch holds whole groups),
+exactly so where ``trainer.balance_batch`` (on by default) has not first reordered the rows by length.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning_dta.core.conversions import Converted, Settings
+from lightning_dta.core.conversions import Converted, Settings, generation
 from lightning_dta.core.losses import PolicyLoss, Rejection
 
 SOURCE = "verl"
@@ -21,7 +27,10 @@ ACTOR_DEFAULTS: dict[str, Any] = {
     "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0,
     "loss_agg_mode": "token-mean", "loss_scale_factor": None, "entropy_coeff": 0.0, "use_kl_loss": False,
     "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "rollout_n": 1, "policy_loss": None,
+    "ppo_mini_batch_size": 256, "ppo_epochs": 1, "shuffle": False,
 }
+DATA_DEFAULTS: dict[str, Any] = {"train_batch_size": 1024}
+TRAINER_DEFAULTS: dict[str, Any] = {"balance_batch": True}
 POLICY_LOSS_DEFAULTS: dict[str, Any] = {"loss_mode": "vanilla"}
 ALGORITHM_DEFAULTS: dict[str, Any] = {
     "adv_estimator": "gae", "gamma": 1.0, "lam": 1.0, "norm_adv_by_std_in_grpo": True, "use_kl_in_reward": False,
@@ -48,9 +57,11 @@ GUARD_NOTE = ("verl clamps log-ratios at +-20 before exp (vanilla, cispo, rollou
               "sequence log-ratio at 10; here they are not clamped, which differs only beyond exp(20) (exp(10))")
 
 
-def from_verl(actor: Any, algorithm: Any = None, rollout: Any = None) -> Converted:
-    """Convert verl's ``actor_rollout_ref.actor`` (an ``ActorConfig`` or mapping), ``algorithm`` and
-    ``actor_rollout_ref.rollout`` configs; refuse what has no exact equivalent."""
+def from_verl(actor: Any, algorithm: Any = None, rollout: Any = None, data: Any = None, trainer: Any = None
+              ) -> Converted:
+    """Convert verl's ``actor_rollout_ref.actor`` (an ``ActorConfig`` or mapping), ``algorithm``,
+    ``actor_rollout_ref.rollout``, ``data`` (``train_batch_size``) and ``trainer`` (``balance_batch``) configs, the
+    trainer's values (batch sizes in prompts); refuse what has no exact equivalent."""
     a = Settings(SOURCE, actor, ACTOR_DEFAULTS, "actor.")
     g = Settings(SOURCE, algorithm, ALGORITHM_DEFAULTS, "algorithm.")
     r = Settings(SOURCE, rollout, ROLLOUT_DEFAULTS, "rollout.")
@@ -92,10 +103,41 @@ def from_verl(actor: Any, algorithm: Any = None, rollout: Any = None) -> Convert
                        "use_pf_ppo: false")
     rollout_fields = _rollout_correction(g, fields, notes)
     estimator, options, critic = _advantages(a, g, r, notes)
+    batches = _generation(a, Settings(SOURCE, data, DATA_DEFAULTS, "data."),
+                          Settings(SOURCE, trainer, TRAINER_DEFAULTS, "trainer."), notes)
     temperature = float(r.get("temperature"))
     engine = {"policy_temperature": temperature} if temperature != 1.0 else {}
     return Converted(loss=PolicyLoss(**fields), advantage_estimator=estimator, advantage_options=options,
-                     engine=engine, critic=critic, rollout_fields=rollout_fields, notes=tuple(notes))
+                     engine=engine, critic=critic, rollout_fields=rollout_fields, generation=batches,
+                     notes=tuple(notes))
+
+
+def _generation(a: Settings, d: Settings, t: Settings, notes: list[str]) -> dict[str, Any] | None:
+    """``train_batch_size / ppo_mini_batch_size`` mini-batches, ``ppo_epochs`` passes over them in one order."""
+    prompts = d.count("train_batch_size", "prompts per batch")
+    mini = a.count("ppo_mini_batch_size", "prompts per mini-batch")
+    epochs = a.count("ppo_epochs", "passes over each batch")
+    if prompts % mini:
+        raise a.refuse("ppo_mini_batch_size", f"data.train_batch_size={prompts} is no whole number of these "
+                       "mini-batches (verl refuses it too)", f"a divisor of data.train_batch_size={prompts} (give "
+                       "data.train_batch_size; verl's default is 1024)")
+    steps = prompts // mini
+    if steps > 1 and a.get("shuffle"):
+        raise a.refuse("shuffle", "verl's DataLoader then draws another order of the batch's rows in every epoch "
+                       "(mini-batches across groups, seeded by data_loader_seed and the rank); here every pass "
+                       "trains the same steps", "shuffle: false")
+    if steps > 1:
+        order = ("verl's trainer.balance_batch (on by default) first reorders the rows by length, so its "
+                 "mini-batches mix groups: the same advantages, other rollouts per step (balance_batch: false for "
+                 "verl's own split)") if t.get("balance_batch") else "verl's own mini-batches (balance_batch: false)"
+        notes.append(f"generation: {steps} steps (mini-batches of ppo_mini_batch_size x rollout.n rows) per batch of "
+                     "train_batch_size x rollout.n rows, its advantages estimated over all of it as verl's trainer "
+                     f"does; split: groups cuts it into whole groups in the batch's order: {order}")
+    if steps > 1 or epochs > 1:
+        notes.append("generation: a step is ppo_mini_batch_size x rollout.n rollouts (rollouts_per_step for a file; "
+                     "prompts_per_step for the online source, which takes generation as "
+                     "data.source.init_args.generation)")
+    return generation(steps, epochs, "groups")
 
 
 def _rollout_correction(g: Settings, fields: dict[str, Any], notes: list[str]) -> dict[str, str]:
@@ -193,6 +235,8 @@ def _advantages(a: Settings, g: Settings, r: Settings, notes: list[str]
                            "whitens over the kept ones; here GAE runs on the trained tokens before rejection",
                            "adv_estimator: grpo with rollout_rs, or GAE with rollout_is only")
         notes.append("gae: PPOCritic(gamma, lam, whiten=True) with the critic's ValueLoss(clip_eps = "
-                     "critic.cliprange_value); verl whitens over the mini-batch's trained tokens, here over the step's")
+                     "critic.cliprange_value); verl's trainer whitens once over the whole batch's trained tokens "
+                     "(train_batch_size x rollout.n rollouts), before its mini-batches; the critic trains on the "
+                     "policy's steps (verl's critic.ppo_mini_batch_size and ppo_epochs default to the actor's)")
         return "gae", {}, {"gamma": float(g.get("gamma")), "lam": float(g.get("lam")), "whiten": True}
     raise g.refuse("adv_estimator", "this estimator is not implemented here", "adv_estimator: grpo (or gae)")
