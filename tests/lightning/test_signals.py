@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,12 +105,14 @@ def signalled_fit(tmp_path: Path, attempt: Try) -> tuple[int, float, str]:
 
 def check_stopped_together(tmp_path: Path, attempt: Try) -> float:
     status, seconds, output = signalled_fit(tmp_path, attempt)
-    receiver = 1 if attempt.target == "rank1" else 0
     assert status == 143, (attempt, status, output[-3000:])
     assert seconds < BOUND_SEC, (attempt, seconds, output[-3000:])
-    # every rank stopped at the end of the same step, for the signal (not by the watchdog's deadline)
-    assert output.count(f"lightning-dta fit: stopped by SIGTERM (received by rank {receiver}); exit status 143") \
-        == 2, (attempt, output[-3000:])
+    # every rank stopped at the end of the same step, for the signal (not by the watchdog's deadline), naming the
+    # same receiver; a signal to the whole group reaches both ranks, and which one sees it first is a race
+    receivers = re.findall(r"lightning-dta fit: stopped by SIGTERM \(received by rank (\d)\); exit status 143", output)
+    expected = {"rank1": ["1", "1"], "rank0": ["0", "0"]}.get(attempt.target)
+    assert len(receivers) == 2 and len(set(receivers)) == 1, (attempt, output[-3000:])
+    assert expected is None or receivers == expected, (attempt, output[-3000:])
     for unwanted in ("Traceback", "failed", "has not stopped"):
         assert unwanted not in output, (attempt, unwanted, output[-3000:])
     assert (tmp_path / "stop" / "on_exception.ckpt").exists(), attempt  # Lightning's fault-tolerant checkpoint
