@@ -142,14 +142,15 @@ class OpenAICompatibleGenerator(Generator):
         self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
         if not self.stop_ids:
             raise ConfigError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
-        if self.weight_sync == "vllm" and rank() == 0:
-            self.check_vllm_server(policy)
+        self.check(policy)  # again: a plain loop calls attach only (a few ms)
         self.update_weights(policy, self.version)
 
-    def check_vllm_server(self, policy: nn.Module) -> None:
-        """Refuse, with the server setting to change, a vLLM server that ``weight_sync="vllm"`` cannot work with:
-        unreachable, serving another model name, without the dev-mode endpoints, or on the CPU with a head size
-        its attention refuses (such a server answers /health and dies at the first request)."""
+    def check(self, policy: nn.Module) -> None:
+        """With ``weight_sync="vllm"``, refuse (from rank 0) with the server setting to change a vLLM server that
+        cannot work: unreachable, serving another model name, without the dev-mode endpoints, or on the CPU with a
+        head size its attention refuses (such a server answers /health and dies at the first request)."""
+        if self.weight_sync != "vllm" or rank() != 0:
+            return
         models = self._get("/v1/models")
         served = [m.get("id") for m in models.get("data", [])] if isinstance(models, dict) else []
         if self.model_name not in served:
@@ -287,8 +288,12 @@ class OpenAICompatibleGenerator(Generator):
                 return self._request_once(method, path, body)
             except _Transient as error:
                 if attempt == self.max_retries:
-                    raise ServerError(f"{error} (gave up after {attempt + 1} attempts; max_retries="
-                                      f"{self.max_retries})") from error.__cause__
+                    what, fix = str(error), ""
+                    if " Fix: " in what:  # the message ends with its fix
+                        what, fix = what.split(" Fix: ", 1)
+                        fix = f" Fix: {fix}"
+                    raise ServerError(f"{what.rstrip('.')} (gave up after {attempt + 1} attempts; max_retries="
+                                      f"{self.max_retries}).{fix}") from error.__cause__
                 time.sleep(self.retry_backoff_sec * 2**attempt)
         raise AssertionError("unreachable")
 
