@@ -56,8 +56,9 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,8 @@ class OpenAICompatibleGenerator(Generator):
             self.weight_sync(policy, version)
         elif self.weight_sync in ("vllm", "sglang-disk"):
             path = (Path(self.weight_dir) / f"version_{version}").resolve()  # the server has another working dir
-            export_hf_checkpoint(policy, path)  # sharded: every rank writes its shards, rank 0 consolidates
+            with quiet_progress_bars():  # transformers' "Writing model shards" bar, once a step, says nothing
+                export_hf_checkpoint(policy, path)  # sharded: every rank writes its shards, rank 0 consolidates
             if rank() == 0 and self.weight_sync == "vllm":
                 self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
                 self.reset_prefix_cache(version)
@@ -320,6 +322,20 @@ class OpenAICompatibleGenerator(Generator):
             raise _Transient(f"{method} {where} timed out after {self.timeout:.0f} s") from error
         except json.JSONDecodeError as error:
             raise _Transient(f"{method} {where} did not answer with JSON ({error})") from error
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 class _Transient(Exception):

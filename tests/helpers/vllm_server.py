@@ -1,12 +1,6 @@
-"""A real vLLM server for the tests: PyPI's CPU build in ``.venv-vllm`` (``scripts/install_vllm.sh``), started as
-its own process group with DESIGN.md section 10's flags and stopped by that group's id.
-
-Why these flags: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``--distributed-executor-backend uni`` keep the engine in
-the server's process (~20 s to start, ~1.5 GB); ``--kv-cache-memory-bytes 64 MiB`` instead of the CPU default of
-several GB; ``OMP_NUM_THREADS=1`` and ``VLLM_CPU_OMP_THREADS_BIND=nobind`` so that it shares 2 cores with the test
-workers instead of pinning them; float32 and eager mode so that its log-probs are the trainer's to rounding;
-``VLLM_SERVER_DEV_MODE=1`` for the weight-sync endpoints. ``VLLM_CPU_KVCACHE_SPACE``, when set, would override the
-KV-cache flag (and crash start-up when empty): it is removed from the server's environment.
+"""A real vLLM server for the tests: PyPI's CPU build in ``.venv-vllm`` (``scripts/install_vllm.sh``), started by
+``scripts/serve_vllm.sh`` (the README's command; its comments say why each flag) as its own process group, and
+stopped by that group's id.
 """
 
 from __future__ import annotations
@@ -25,12 +19,7 @@ from tests.helpers import REPO, free_port
 VENV = REPO / ".venv-vllm"
 REQUIRE = "LIGHTNING_DTA_REQUIRE_VLLM"
 """set to 1 (CI does): a missing ``.venv-vllm`` fails the real-server tests instead of skipping them."""
-SERVED_NAME = "toy"
-MAX_MODEL_LEN = 256
-ENV = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-       "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-FLAGS = ["--dtype", "float32", "--enforce-eager", "--distributed-executor-backend", "uni",
-         "--kv-cache-memory-bytes", "67108864", "--max-model-len", str(MAX_MODEL_LEN)]
+SERVED_NAME = "toy"  # scripts/serve_vllm.sh's --served-model-name
 
 
 def missing() -> str | None:
@@ -62,11 +51,9 @@ def start(model_dir: Path, log: Path, timeout: float = 300.0) -> VLLMServer:
     """Start the server on a free port and wait for ``/health`` (at most ``timeout`` s; a server that exits first
     fails at once with its log)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"} | ENV
-    command = [str(VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), *FLAGS]
+    command = ["bash", str(REPO / "scripts" / "serve_vllm.sh"), str(model_dir), str(port)]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, cwd=model_dir.parent, env=env, stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(command, cwd=model_dir.parent, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)  # its own process group: stop() ends all of it
     server = VLLMServer(f"http://127.0.0.1:{port}", process, log, model_dir)
     deadline = time.monotonic() + timeout
