@@ -25,19 +25,20 @@ Other HTTP errors (a bad request) are not retried.
 
 Weights: after each optimizer step the server must serve the new weights, and **no key/value computed with the old
 weights may serve a later request**: a prefix cache that outlives the weights gives prompts that share a cached
-prefix (on vLLM's CPU build: 128 tokens, one KV block, or more) the old policy's log-probs, silently wrong importance
-ratios (measured: off by up to 3.1). Both built-in syncs save the policy as a Hugging Face checkpoint under
-``weight_dir/version_N`` (``export_hf_checkpoint``: a sharded policy, ``dta_fsdp`` or TP, is gathered collectively,
-every rank writing its shards and rank 0 consolidating) and then, from rank 0:
+prefix (on vLLM's CPU build: 128 tokens, one KV block, or more) the old policy's log-probs, silently wrong
+importance ratios (measured on vLLM's CPU build: off by 3.1 to 11). Both built-in syncs save the policy as a
+Hugging Face checkpoint under ``weight_dir/version_N`` (``export_hf_checkpoint``: a sharded policy, ``dta_fsdp`` or
+TP, is gathered collectively, every rank writing its shards and rank 0 consolidating) and then, from rank 0:
 
 - ``weight_sync="vllm"``: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``,
   then ``POST /reset_prefix_cache``, whose JSON ``success`` is read: vLLM answers HTTP 200 with ``{"success":
   false}`` and resets nothing while a request still holds cache blocks, so the reset is retried for
   ``cache_reset_wait_sec`` and then the run stops. Both endpoints exist only on a server started with
-  ``VLLM_SERVER_DEV_MODE=1``; :meth:`attach` checks that (and the model name, and a head size vLLM's CPU attention
-  refuses: such a server reports healthy and dies at the first request) before anything else, and refuses with
-  the setting to change. A reload of a path the server cannot read kills vLLM's engine (0.32): the path is written
-  before it is sent, and sent absolute.
+  ``VLLM_SERVER_DEV_MODE=1``; :meth:`~OpenAICompatibleGenerator.check` (the RL callback calls it before the SFT
+  warm start, ``attach`` again) checks that, the model name, and a head size vLLM's CPU attention refuses (such a
+  server reports healthy and dies at the first request), and refuses with the setting to change. A reload of a
+  path the server cannot read kills vLLM's engine (0.32): the path is written before it is sent, and sent
+  absolute.
 - ``weight_sync="sglang-disk"``: ``POST /update_weights_from_disk {"model_path": DIR, "flush_cache": true}``.
   SGLang flushes its radix cache itself after a successful load (always in older releases; newer ones have the
   ``flush_cache`` field, default true, sent explicitly here so that no server default can turn it off) and asserts
@@ -138,7 +139,7 @@ class OpenAICompatibleGenerator(Generator):
         ``share_weights`` does not apply: the server always has its own copy."""
         if self.weight_sync is None:
             raise ConfigError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
-                             "initial weights while the policy trains. Fix: weight_sync='sglang-disk' (with "
+                             "initial weights while the policy trains. Fix: weight_sync='vllm' or 'sglang-disk' (with "
                              "weight_dir), a callable(model, version) that updates your server, or 'none' on purpose")
         self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
         if not self.stop_ids:
@@ -163,7 +164,8 @@ class OpenAICompatibleGenerator(Generator):
                                   f"{self.base_url} has none (HTTP 404): it runs without vLLM's dev mode. Fix: "
                                   f"{DEV_MODE_FIX}")
         info = self._get("/server_info?config_format=json")
-        device = ((info.get("vllm_config") or {}).get("device_config") or {}).get("device")
+        vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
+        device = ((vllm_config if isinstance(vllm_config, dict) else {}).get("device_config") or {}).get("device")
         config = getattr(policy, "config", None)
         heads = getattr(config, "num_attention_heads", None)
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
