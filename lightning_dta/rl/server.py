@@ -166,9 +166,10 @@ class OpenAICompatibleGenerator(Generator):
         info = self._get("/server_info?config_format=json")
         vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
         device = ((vllm_config if isinstance(vllm_config, dict) else {}).get("device_config") or {}).get("device")
+        # a user's model: a transformers config's fields when it has one (head_dim is an optional field)
         config = getattr(policy, "config", None)
-        heads = getattr(config, "num_attention_heads", None)
-        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+        heads = getattr(config, "num_attention_heads", None)  # a user's model config
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)  # optional
         if device == "cpu" and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
             raise ServerError(f"the model's head_dim is {head_dim}, and the server at {self.base_url} runs vLLM's "
                               f"CPU attention, which takes head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only (it "
