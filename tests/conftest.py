@@ -4,7 +4,9 @@ Markers (``--strict-markers``: a typo is an error):
 
 - ``gpu``: needs CUDA; skipped where there is none (run them with ``pytest -m gpu`` on a GPU machine);
 - ``distributed``: starts several processes (gloo on the CPU);
-- ``slow``: takes more than ~15 s on 2 CPU cores (deselect with ``-m "not slow"`` for a quick loop).
+- ``slow``: takes more than ~15 s on 2 CPU cores (deselect with ``-m "not slow"`` for a quick loop);
+- ``vllm``: against a real vLLM server from ``.venv-vllm`` (``scripts/install_vllm.sh``); skipped without it unless
+  ``LIGHTNING_DTA_REQUIRE_VLLM=1`` (CI).
 
 The README's test command runs everything that can run here.
 """

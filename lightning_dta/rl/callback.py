@@ -118,6 +118,7 @@ class OnlineRLCallback(Callback):
         source = self._find_source(trainer, pl_module)
         policy = self._policy(pl_module)
         engine = getattr(pl_module, "engine", None)  # a user's module: DTAModule's EngineOptions, if it has them
+        source.generator.check(policy)  # a misconfigured server is refused now, not after the warm start
         if self.sft_warmup_steps and trainer.global_step == 0:
             self.warm_start = sft_warm_start(policy, source.env, source.resolve_tokenizer(), self.sft_warmup_steps,
                                              lr=self.sft_warmup_lr, batch_size=self.sft_warmup_batch_size,

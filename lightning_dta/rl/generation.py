@@ -55,12 +55,18 @@ class Completion:
 class Generator(ABC):
     """Produces completions for token prompts with the current policy, and follows the trainer's weights.
 
-    The loop calls :meth:`attach` once (the trainer's policy, before the first generation), :meth:`generate` for
-    every batch of LLM calls, and :meth:`update_weights` after every optimizer step.
+    The loop calls :meth:`check` first, :meth:`attach` once (the trainer's policy, before the first generation),
+    :meth:`generate` for every batch of LLM calls, and :meth:`update_weights` after every optimizer step.
     """
 
     max_new_tokens: int
     placement: str = "colocated"  # the online source's default: every rank generates with its own instance
+
+    def check(self, policy: nn.Module) -> None:
+        """Refuse a set-up this generator cannot work with (a server without an endpoint it needs, a model it cannot
+        run) before any time is spent: the RL callback calls it before the SFT warm start. The default accepts
+        every set-up."""
+        return None
 
     @abstractmethod
     def attach(self, policy: nn.Module, *, eos_token_id: int | None, pad_token_id: int | None,

@@ -23,12 +23,32 @@ Faults: a request that fails with a connection error, a timeout, HTTP 429 or 5xx
 with exponential backoff (``retry_backoff_sec``, doubling); then generation stops with the server's own message.
 Other HTTP errors (a bad request) are not retried.
 
-Weights: after each optimizer step the server must serve the new weights. ``weight_sync="sglang-disk"`` saves
-the policy with ``save_pretrained`` under ``weight_dir`` and asks SGLang to reload it
-(``POST /update_weights_from_disk`` with ``{"model_path": ...}``); any other mechanism (vLLM's weight-update
-endpoints, NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``. With a
-sharded policy (``dta_fsdp``) the sync runs on every rank (the shards are gathered collectively: rank 0
-consolidates the checkpoint and asks the server to reload); a callable then also runs on every rank.
+Weights: after each optimizer step the server must serve the new weights, and **no key/value computed with the old
+weights may serve a later request**: a prefix cache that outlives the weights gives prompts that share a cached
+prefix (on vLLM's CPU build: 128 tokens, one KV block, or more) the old policy's log-probs, silently wrong
+importance ratios (measured on vLLM's CPU build: off by 3.1 to 11). Both built-in syncs save the policy as a
+Hugging Face checkpoint under ``weight_dir/version_N`` (``export_hf_checkpoint``: a sharded policy, ``dta_fsdp`` or
+TP, is gathered collectively, every rank writing its shards and rank 0 consolidating) and then, from rank 0:
+
+- ``weight_sync="vllm"``: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}``,
+  then ``POST /reset_prefix_cache``, whose JSON ``success`` is read: vLLM answers HTTP 200 with ``{"success":
+  false}`` and resets nothing while a request still holds cache blocks, so the reset is retried for
+  ``cache_reset_wait_sec`` and then the run stops. Both endpoints exist only on a server started with
+  ``VLLM_SERVER_DEV_MODE=1``; :meth:`~OpenAICompatibleGenerator.check` (the RL callback calls it before the SFT
+  warm start, ``attach`` again) checks that, the model name, and a head size vLLM's CPU attention refuses (such a
+  server reports healthy and dies at the first request), and refuses with the setting to change. A reload of a
+  path the server cannot read kills vLLM's engine (0.32): the path is written before it is sent, and sent
+  absolute.
+- ``weight_sync="sglang-disk"``: ``POST /update_weights_from_disk {"model_path": DIR, "flush_cache": true}``.
+  SGLang flushes its radix cache itself after a successful load (always in older releases; newer ones have the
+  ``flush_cache`` field, default true, sent explicitly here so that no server default can turn it off) and asserts
+  the flush: the update waits for the requests in flight, and a flush that fails stops the server rather than
+  serving stale keys/values. So a ``success`` answer means the cache is gone; no separate ``/flush_cache`` (which
+  answers 400 while requests run) is needed.
+
+Any other mechanism (NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``,
+which must give the same guarantee. With a sharded policy the sync runs on every rank; a callable then also runs
+on every rank.
 """
 
 from __future__ import annotations
@@ -37,8 +57,9 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +71,10 @@ from lightning_dta.distributed.sharding import export_hf_checkpoint
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
 
 WeightSync = Callable[[nn.Module, int], None]
+BUILT_IN_SYNCS = ("vllm", "sglang-disk", "none")
+CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""the head sizes vLLM's CPU attention takes (0.32: ``CPUAttentionBackend.get_supported_head_sizes``)."""
+DEV_MODE_FIX = "start the server with VLLM_SERVER_DEV_MODE=1 in its environment (README: A real vLLM server)"
 
 
 class ServerError(UsageError, RuntimeError):
@@ -64,9 +89,10 @@ class OpenAICompatibleGenerator(Generator):
         model: the served model name (the request's ``model`` field).
         max_new_tokens, temperature, top_p, top_k: sampling (``top_k=0``: not sent).
         stop_token_ids: stop tokens besides the tokenizer's EOS.
-        weight_sync: ``"sglang-disk"``, a callable ``(model, version) -> None``, or ``"none"`` to keep the
-            server's weights (evaluation only: RL would keep sampling from the initial policy). Required.
-        weight_dir: where ``"sglang-disk"`` writes each version (a directory the server can read).
+        weight_sync: ``"vllm"``, ``"sglang-disk"`` (module docstring), a callable ``(model, version) -> None``, or
+            ``"none"`` to keep the server's weights (evaluation only: RL would keep sampling from the initial
+            policy). Required.
+        weight_dir: where ``"vllm"`` and ``"sglang-disk"`` write each version (a directory the server can read).
         timeout: seconds per HTTP request.
         api_key: sent as a bearer token when given.
         max_concurrent_requests: requests (one per prompt) in flight at once.
@@ -76,6 +102,7 @@ class OpenAICompatibleGenerator(Generator):
     """
 
     placement = "disaggregated"  # the online source's default: rank 0 talks to the server and broadcasts
+    cache_reset_wait_sec = 30.0  # how long "vllm" retries a prefix-cache reset that requests in flight refuse
 
     def __init__(self, base_url: str, model: str, max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
@@ -86,10 +113,12 @@ class OpenAICompatibleGenerator(Generator):
             raise ConfigError("max_new_tokens and max_concurrent_requests must be >= 1")
         if max_retries < 0 or retry_backoff_sec < 0:
             raise ConfigError("max_retries and retry_backoff_sec must be >= 0")
-        if isinstance(weight_sync, str) and weight_sync not in ("sglang-disk", "none"):
-            raise ConfigError(f"weight_sync={weight_sync!r}; use 'sglang-disk', 'none' or a callable(model, version)")
-        if weight_sync == "sglang-disk" and not weight_dir:
-            raise ConfigError("weight_sync='sglang-disk' needs weight_dir, a directory the server can read")
+        if isinstance(weight_sync, str) and weight_sync not in BUILT_IN_SYNCS:
+            raise ConfigError(f"weight_sync={weight_sync!r}. Fix: 'vllm', 'sglang-disk', 'none' or a "
+                              "callable(model, version)")
+        if weight_sync in ("vllm", "sglang-disk") and not weight_dir:
+            raise ConfigError(f"weight_sync={weight_sync!r} needs weight_dir. Fix: weight_dir, a directory the server "
+                              "can read")
         self.base_url = base_url.rstrip("/")
         self.model_name = model
         self.max_new_tokens = max_new_tokens
@@ -105,29 +134,80 @@ class OpenAICompatibleGenerator(Generator):
 
     def attach(self, policy: nn.Module, *, eos_token_id: int | None, pad_token_id: int | None,
                share_weights: bool) -> None:
-        """Record the stop tokens and push the policy's current weights (the server may hold older ones, e.g.
-        from before an SFT warm start). ``share_weights`` does not apply: the server always has its own copy."""
+        """Record the stop tokens, check that the server offers what ``weight_sync`` needs (``"vllm"``), and push the
+        policy's current weights (the server may hold older ones, e.g. from before an SFT warm start).
+        ``share_weights`` does not apply: the server always has its own copy."""
         if self.weight_sync is None:
             raise ConfigError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
-                             "initial weights while the policy trains. Fix: weight_sync='sglang-disk' (with "
+                             "initial weights while the policy trains. Fix: weight_sync='vllm' or 'sglang-disk' (with "
                              "weight_dir), a callable(model, version) that updates your server, or 'none' on purpose")
         self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
         if not self.stop_ids:
             raise ConfigError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
+        self.check(policy)  # again: a plain loop calls attach only (a few ms)
         self.update_weights(policy, self.version)
+
+    def check(self, policy: nn.Module) -> None:
+        """With ``weight_sync="vllm"``, refuse (from rank 0) with the server setting to change a vLLM server that
+        cannot work: unreachable, serving another model name, without the dev-mode endpoints, or on the CPU with a
+        head size its attention refuses (such a server answers /health and dies at the first request)."""
+        if self.weight_sync != "vllm" or rank() != 0:
+            return
+        models = self._get("/v1/models")
+        served = [m.get("id") for m in models.get("data", [])] if isinstance(models, dict) else []
+        if self.model_name not in served:
+            raise ServerError(f"the server at {self.base_url} serves {served}, not model={self.model_name!r}. Fix: "
+                              f"model: {served[0] if served else 'its --served-model-name'}")
+        for path in ("/collective_rpc", "/reset_prefix_cache"):
+            if self._status(path) == 404:  # a POST route answers a GET with 405: the route exists
+                raise ServerError(f"weight_sync='vllm' needs the server's {path} (POST), and the server at "
+                                  f"{self.base_url} has none (HTTP 404): it runs without vLLM's dev mode. Fix: "
+                                  f"{DEV_MODE_FIX}")
+        info = self._get("/server_info?config_format=json")
+        vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
+        device = ((vllm_config if isinstance(vllm_config, dict) else {}).get("device_config") or {}).get("device")
+        # a user's model: a transformers config's fields when it has one (head_dim is an optional field)
+        config = getattr(policy, "config", None)
+        heads = getattr(config, "num_attention_heads", None)  # a user's model config
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)  # optional
+        if device == "cpu" and head_dim is not None and head_dim not in CPU_ATTENTION_HEAD_SIZES:
+            raise ServerError(f"the model's head_dim is {head_dim}, and the server at {self.base_url} runs vLLM's "
+                              f"CPU attention, which takes head sizes {list(CPU_ATTENTION_HEAD_SIZES)} only (it "
+                              "would die at the first request). Fix: a model whose hidden_size / "
+                              "num_attention_heads is one of them (configs/toy_rl_vllm.yaml: 64 / 2), or a GPU server")
 
     def update_weights(self, policy: nn.Module, version: int) -> None:
         if callable(self.weight_sync):
             self.weight_sync(policy, version)
-        elif self.weight_sync == "sglang-disk":
-            path = Path(self.weight_dir) / f"version_{version}"
-            export_hf_checkpoint(policy, path)  # sharded: every rank writes its shards, rank 0 consolidates
-            if rank() == 0:
-                reply = self._post("/update_weights_from_disk", {"model_path": str(path)})
+        elif self.weight_sync in ("vllm", "sglang-disk"):
+            path = (Path(self.weight_dir) / f"version_{version}").resolve()  # the server has another working dir
+            with quiet_progress_bars():  # transformers' "Writing model shards" bar, once a step, says nothing
+                export_hf_checkpoint(policy, path)  # sharded: every rank writes its shards, rank 0 consolidates
+            if rank() == 0 and self.weight_sync == "vllm":
+                self._post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(path)}})
+                self.reset_prefix_cache(version)
+            elif rank() == 0:
+                reply = self._post("/update_weights_from_disk", {"model_path": str(path), "flush_cache": True})
                 if isinstance(reply, dict) and reply.get("success") is False:
                     raise ServerError(f"the server refused the weights of version {version} at {path}: "
                                       f"{reply.get('message', reply)}")
         self.version = version
+
+    def reset_prefix_cache(self, version: int) -> None:
+        """Drop vLLM's prefix cache after a reload: ``/reset_prefix_cache`` answers ``{"success": false}`` (HTTP 200)
+        while a request holds cache blocks, so retry until it succeeds or ``cache_reset_wait_sec`` has passed."""
+        deadline = time.monotonic() + self.cache_reset_wait_sec
+        while True:
+            reply = self._post("/reset_prefix_cache", {})
+            if isinstance(reply, dict) and reply.get("success") is True:
+                return
+            if time.monotonic() >= deadline:
+                raise ServerError(f"the server at {self.base_url} loaded the weights of version {version} but did "
+                                  f"not reset its prefix cache within {self.cache_reset_wait_sec:.0f} s (it answered "
+                                  f"{reply}: requests still hold cache blocks), so prompts would reuse keys/values "
+                                  "computed with the old weights. Fix: let no other client use the server during "
+                                  "training, or raise OpenAICompatibleGenerator.cache_reset_wait_sec")
+            time.sleep(0.2)
 
     def generate(self, prompts: Sequence[Sequence[int]], seed: int | Sequence[int]) -> list[Completion]:
         seeds = row_seeds(seed, len(prompts))
@@ -191,39 +271,74 @@ class OpenAICompatibleGenerator(Generator):
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
         """POST ``body`` as JSON, retrying transient failures with exponential backoff (module docstring)."""
+        return self._request("POST", path, body)
+
+    def _get(self, path: str) -> Any:
+        """GET ``path``'s JSON, retried as :meth:`_post` is."""
+        return self._request("GET", path, None)
+
+    def _status(self, path: str) -> int:
+        """The HTTP status of a GET of ``path`` (a 4xx is an answer here, not an error); unreachable: ServerError."""
+        try:
+            self._get(path)
+        except ServerError as error:
+            if isinstance(error.__cause__, urllib.error.HTTPError) and error.__cause__.code < 500:
+                return error.__cause__.code
+            raise
+        return 200
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
         for attempt in range(self.max_retries + 1):
             try:
-                return self._post_once(path, body)
+                return self._request_once(method, path, body)
             except _Transient as error:
                 if attempt == self.max_retries:
-                    raise ServerError(f"{error} (gave up after {attempt + 1} attempts; max_retries="
-                                      f"{self.max_retries})") from error.__cause__
+                    what, fix = str(error), ""
+                    if " Fix: " in what:  # the message ends with its fix
+                        what, fix = what.split(" Fix: ", 1)
+                        fix = f" Fix: {fix}"
+                    raise ServerError(f"{what.rstrip('.')} (gave up after {attempt + 1} attempts; max_retries="
+                                      f"{self.max_retries}).{fix}") from error.__cause__
                 time.sleep(self.retry_backoff_sec * 2**attempt)
         raise AssertionError("unreachable")
 
-    def _post_once(self, path: str, body: dict[str, Any]) -> Any:
-        data = json.dumps(body).encode()
+    def _request_once(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method="POST")
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
         where = f"{self.base_url}{path}"
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 return json.loads(response.read().decode() or "null")
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]
-            message = f"POST {where} failed with HTTP {error.code}: {detail}"
+            message = f"{method} {where} failed with HTTP {error.code}: {detail}"
             if error.code == 429 or error.code >= 500:
                 raise _Transient(message) from error
             raise ServerError(message) from error
         except urllib.error.URLError as error:
-            raise _Transient(f"cannot reach the inference server at {where}: {error.reason}. Is it running, and is "
-                             "base_url right?") from error
+            raise _Transient(f"cannot reach the inference server at {where}: {error.reason}. Fix: start the server "
+                             "(README: A real vLLM server), or set base_url to where it listens") from error
         except TimeoutError as error:
-            raise _Transient(f"POST {where} timed out after {self.timeout:.0f} s") from error
+            raise _Transient(f"{method} {where} timed out after {self.timeout:.0f} s") from error
         except json.JSONDecodeError as error:
-            raise _Transient(f"POST {where} did not answer with JSON ({error})") from error
+            raise _Transient(f"{method} {where} did not answer with JSON ({error})") from error
+
+
+@contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the block (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 class _Transient(Exception):

@@ -1,4 +1,5 @@
-"""A fake vLLM/SGLang server in a thread: scripted completions, SGLang-style weight reloads, scripted failures."""
+"""A fake vLLM/SGLang server in a thread: scripted completions, SGLang- and vLLM-style weight reloads (vLLM's
+dev-mode endpoints, a prefix-cache reset that refuses while "requests hold blocks"), scripted failures."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 EOS = 2
+DEV_MODE_ROUTES = ("/collective_rpc", "/reset_prefix_cache")
 
 
 class FakeServer:
@@ -15,13 +17,18 @@ class FakeServer:
 
     ``style``: ``"token_ids"`` (vLLM ``return_token_ids``), ``"token_id_strings"`` (``"token_id:N"`` tokens),
     ``"text"`` (tokens as text only), ``"error"`` (HTTP 500). ``failures``: answer that many requests first with
-    ``failure_code`` (a transient overload), then normally.
+    ``failure_code`` (a transient overload), then normally. ``dev_mode``: offer vLLM's ``/collective_rpc``,
+    ``/reset_prefix_cache`` and ``/server_info`` (on ``device``), as ``VLLM_SERVER_DEV_MODE=1`` does; otherwise they
+    answer 404. ``reset_refusals``: answer that many resets ``{"success": false}`` first (requests holding blocks).
     """
 
-    def __init__(self, style: str = "token_ids", failures: int = 0, failure_code: int = 503) -> None:
+    def __init__(self, style: str = "token_ids", failures: int = 0, failure_code: int = 503, dev_mode: bool = True,
+                 reset_refusals: int = 0, device: str = "cpu") -> None:
         self.style = style
         self.failures, self.failure_code = failures, failure_code
-        self.requests: list[tuple[str, dict]] = []
+        self.dev_mode, self.reset_refusals, self.device = dev_mode, reset_refusals, device
+        self.requests: list[tuple[str, dict]] = []  # POSTs: (path, body)
+        self.gets: list[str] = []
         self.lock = threading.Lock()
         fake = self
 
@@ -37,9 +44,35 @@ class FakeServer:
                     self.end_headers()
                     self.wfile.write(b"CUDA out of memory" if fake.style == "error" else b"server overloaded")
                     return
-                reply = fake.weights(body) if self.path == "/update_weights_from_disk" else fake.complete(body)
+                if self.path in DEV_MODE_ROUTES and not fake.dev_mode:
+                    self.answer(404, {"detail": "Not Found"})
+                elif self.path == "/update_weights_from_disk":
+                    self.answer(200, fake.weights(body))
+                elif self.path == "/collective_rpc":
+                    self.answer(200, {"results": [None]})
+                elif self.path == "/reset_prefix_cache":
+                    with fake.lock:
+                        refused = fake.reset_refusals > 0
+                        fake.reset_refusals -= int(refused)
+                    self.answer(200, {"success": not refused})
+                else:
+                    self.answer(200, fake.complete(body))
+
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                with fake.lock:
+                    fake.gets.append(self.path)
+                if self.path == "/v1/models":
+                    self.answer(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+                elif self.path.startswith("/server_info") and fake.dev_mode:
+                    self.answer(200, {"vllm_config": {"device_config": {"device": fake.device}}})
+                elif self.path in DEV_MODE_ROUTES and fake.dev_mode:
+                    self.answer(405, {"detail": "Method Not Allowed"})
+                else:
+                    self.answer(404, {"detail": "Not Found"})
+
+            def answer(self, code: int, reply: dict) -> None:
                 data = json.dumps(reply).encode()
-                self.send_response(200)
+                self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()

@@ -57,7 +57,8 @@ def test_text_only_tokens_and_server_failures_are_refused_with_the_fix():
 
 
 def test_sglang_disk_weight_sync_after_every_step(tmp_path):
-    """The policy is saved per version and the server is asked to reload it: at attach, and after each step."""
+    """The policy is saved per version and the server is asked to reload it: at attach, and after each step, with
+    SGLang's radix-cache flush asked for explicitly (its default, but a server's default is not a guarantee)."""
     policy = tiny_policy()
     with FakeServer() as server:
         generator = OpenAICompatibleGenerator(server.url, "tiny", max_new_tokens=3, weight_sync="sglang-disk",
@@ -68,6 +69,7 @@ def test_sglang_disk_weight_sync_after_every_step(tmp_path):
         source.update_policy(policy, 1)
     reloads = [body["model_path"] for path, body in server.requests if path == "/update_weights_from_disk"]
     assert reloads == [str(tmp_path / "version_0"), str(tmp_path / "version_1")]
+    assert all(body["flush_cache"] is True for path, body in server.requests if path == "/update_weights_from_disk")
     assert (tmp_path / "version_1" / "config.json").exists() and generator.version == 1
     assert len(rollouts) == 4 and all(r.input_ids[-1] in (EOS, 7) for r in rollouts)
 
@@ -118,3 +120,58 @@ def test_a_choice_without_token_ids_is_refused_whatever_else_it_holds():
         generator._parse_choice({"text": "", "logprobs": {}}, 0)
     empty = generator._parse_choice({"text": "", "token_ids": [], "logprobs": {"token_logprobs": []}}, 0)
     assert empty.token_ids == []  # an empty completion with no text is what it says
+
+
+def test_vllm_weight_sync_reloads_then_resets_the_prefix_cache_at_attach_and_after_every_step(tmp_path):
+    """Each version: saved, reloaded over /collective_rpc from its absolute path, then the prefix cache reset (in
+    that order: a cache reset before the reload would keep the keys/values computed in between)."""
+    policy = tiny_policy()
+    with FakeServer(device="cuda") as server:  # tiny_policy's head_dim 8: a GPU server's
+        generator = OpenAICompatibleGenerator(server.url, "tiny", max_new_tokens=3, weight_sync="vllm",
+                                              weight_dir=str(tmp_path))
+        generator.attach(policy, eos_token_id=EOS, pad_token_id=0, share_weights=False)
+        generator.update_weights(policy, 1)
+    posts = [(path, body) for path, body in server.requests if path in ("/collective_rpc", "/reset_prefix_cache")]
+    assert posts == [
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "version_0")}}),
+        ("/reset_prefix_cache", {}),
+        ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(tmp_path / "version_1")}}),
+        ("/reset_prefix_cache", {}),
+    ]
+    assert (tmp_path / "version_1" / "model.safetensors").exists()
+
+
+def test_vllm_cache_reset_is_retried_while_refused_then_stops_with_the_fix(tmp_path):
+    """vLLM answers a reset that requests in flight block with HTTP 200 and {"success": false}: read, retried."""
+    with FakeServer(reset_refusals=3, device="cuda") as server:
+        generator = OpenAICompatibleGenerator(server.url, "tiny", weight_sync="vllm", weight_dir=str(tmp_path))
+        generator.attach(tiny_policy(), eos_token_id=EOS, pad_token_id=0, share_weights=False)
+    assert [p for p, _ in server.requests].count("/reset_prefix_cache") == 4  # 3 refused, then reset
+    with FakeServer(reset_refusals=10**6, device="cuda") as server:
+        generator = OpenAICompatibleGenerator(server.url, "tiny", weight_sync="vllm", weight_dir=str(tmp_path))
+        generator.cache_reset_wait_sec = 0.5
+        with pytest.raises(ServerError, match=r"version 0 but did not reset its prefix cache.*\{'success': False\}"
+                                              r".*old weights\. Fix: "):
+            generator.attach(tiny_policy(), eos_token_id=EOS, pad_token_id=0, share_weights=False)
+
+
+def test_vllm_sync_refuses_a_server_without_dev_mode_another_model_name_or_a_cpu_head_size(tmp_path):
+    """Checked at attach, before any weights are written: one message with the server setting to change."""
+    def attach(server, model="tiny", policy=None):
+        generator = OpenAICompatibleGenerator(server.url, model, weight_sync="vllm", weight_dir=str(tmp_path))
+        generator.attach(policy or tiny_policy(), eos_token_id=EOS, pad_token_id=0, share_weights=False)
+
+    with FakeServer(dev_mode=False) as server:
+        with pytest.raises(ServerError, match=r"/collective_rpc.*HTTP 404.*Fix: start the server with "
+                                              "VLLM_SERVER_DEV_MODE=1"):
+            attach(server)
+    with FakeServer() as server:
+        with pytest.raises(ServerError, match=r"serves \['tiny'\], not model='toy'. Fix: model: tiny"):
+            attach(server, model="toy")
+        head_dim = tiny_policy().config.head_dim
+        assert head_dim not in (32, 64)
+        with pytest.raises(ServerError, match=f"head_dim is {head_dim}.*CPU attention.*Fix: "):
+            attach(server)
+    with FakeServer(device="cuda") as server:  # a GPU server takes other head sizes: not refused here
+        attach(server)  # only this attach got as far as writing a version
+    assert [p.name for p in tmp_path.iterdir()] == ["version_0"]
