@@ -4,6 +4,10 @@ The default run (a 4-layer, 256-wide Llama on the CPU; GRPO, multi-turn agent an
 3.5-4 minutes on two cores (measured 2026-12-01: 3 min 28 s and 3 min 51 s) and prints a table; ``--out DIR``
 also writes ``bench.json`` and the PNG plots. Timings are medians of round-robin repeats; each row carries its
 gradient error against the per-rollout baseline so that a fast but wrong mode shows.
+
+``--arch qwen3_5`` benches a hybrid (Gated DeltaNet layers, full attention every fourth); ``--also-arch`` runs the
+same workloads on models of other families with the same sizes in the same run, one after the other, and ends with
+the dfs rows of every model side by side.
 """
 
 from __future__ import annotations
@@ -21,12 +25,21 @@ from jsonargparse import ArgumentParser, DefaultHelpFormatter, Namespace
 
 from lightning_dta.arguments import parse_args
 from lightning_dta.bench import report
-from lightning_dta.bench.runner import LONG_ROLLOUT_MODES, MEMORY_SWEEP_MODES, run_bench, skip_reason
+from lightning_dta.bench.runner import (
+    LONG_ROLLOUT_MODES,
+    MEMORY_SWEEP_MODES,
+    BenchResults,
+    has_recurrent_layers,
+    run_bench,
+    skip_reason,
+    takes_tree_mask,
+)
 from lightning_dta.bench.work import BenchWork, bench_flops
 from lightning_dta.cli import add_engine_options
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine import EngineOptions
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 from lightning_dta.plan.flops import ModelShape
 from lightning_dta.shapes.models import ARCHITECTURES, PRESETS, build_model, model_config
 from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, ModeSpec, compared_modes
@@ -41,6 +54,18 @@ def _pair(text: str | tuple[int, int]) -> tuple[int, int]:
         return text
     low, _, high = text.partition(",")
     return int(low), int(high or low)
+
+
+def _archs(text: str | tuple[str, ...]) -> tuple[str, ...]:
+    """comma-separated model families"""
+    if isinstance(text, tuple):
+        return text
+    names = tuple(a for a in text.split(",") if a)
+    unknown = sorted(set(names) - set(ARCHITECTURES))
+    if unknown:
+        raise ValueError(f"unknown model famil{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)}; choose "
+                         f"from {', '.join(sorted(ARCHITECTURES))}")
+    return names
 
 
 def _ints(text: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -85,7 +110,13 @@ def build_parser() -> ArgumentParser:
     model = parser.add_argument_group("model (built from a config; random weights)")
     model.add_argument("--preset", default=None, choices=sorted(PRESETS),
                        help="shape of a real checkpoint (overrides --arch/--layers/--hidden/... )")
-    model.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES), help="model family")
+    model.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES),
+                       help="model family (qwen3_5: a hybrid, Gated DeltaNet layers with full attention every fourth "
+                       "layer, its Gated DeltaNet heads sized like the attention heads)")
+    model.add_argument("--also-arch", default="", type=_archs,
+                       help="comma-separated: also bench models of these families with the same sizes, in the same "
+                       "run after --arch, and print the dfs rows of all side by side (e.g. --arch qwen3_5 "
+                       "--also-arch llama)")
     model.add_argument("--layers", default=4, type=int, help="decoder layers")
     model.add_argument("--hidden", default=256, type=int, help="hidden size")
     model.add_argument("--heads", default=4, type=int, help="attention heads")
@@ -140,35 +171,50 @@ def _workloads(args: Namespace) -> dict[str, object]:
     return chosen
 
 
-def _shape(args: Namespace) -> dict:
-    shape = dict(arch=args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
-                 intermediate=args.intermediate, vocab=args.vocab)
+def _shape(args: Namespace, arch: str | None = None) -> dict:
+    shape = dict(arch=arch or args.arch, layers=args.layers, hidden=args.hidden, heads=args.heads,
+                 kv_heads=args.kv_heads, intermediate=args.intermediate, vocab=args.vocab)
     shape.update(PRESETS.get(args.preset, {}))
     return shape
 
 
-def _model(args: Namespace) -> torch.nn.Module:
-    return build_model(**_shape(args), dtype=DTYPES[args.dtype], device=args.device, attn_implementation=args.attn,
-                       seed=args.seed)
+def _model(args: Namespace, arch: str) -> torch.nn.Module:
+    return build_model(**_shape(args, arch), dtype=DTYPES[args.dtype], device=args.device,
+                       attn_implementation=args.attn, seed=args.seed)
 
 
 def estimate(argv: Sequence[str]) -> tuple[BenchWork, object]:
-    """The FLOPs that ``lightning-dta bench ARGV`` will compute (:mod:`~lightning_dta.bench.work`) and the model's
-    config, without building the model or running anything."""
+    """The FLOPs that ``lightning-dta bench ARGV`` will compute (:mod:`~lightning_dta.bench.work`; every model of
+    ``--arch`` and ``--also-arch`` together) and the ``--arch`` model's config, without building a model or running
+    anything."""
     parser = build_parser()
     args = parse_args(parser, list(argv), "bench")
-    config = model_config(**_shape(args), attn_implementation=args.attn)
     modes, _ = _modes(args, parser.instantiate(args).engine)
     device = torch.device(args.device)
-    workloads = {}
-    for name, workload in _workloads(args).items():
-        tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed))
-        workloads[name] = (tree, {m: s for m, s in modes.items() if skip_reason(m, s, name, device) is None})
-    work = bench_flops(ModelShape.from_config(config), workloads, repeats=args.repeats, warmup=args.warmup,
-                       logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
-                       recompute_chunk=args.recompute_chunk, vocab=config.vocab_size, seed=args.seed,
-                       mask_in_sweep=args.attn in ("sdpa", "eager"))
-    return work, config
+    works, configs = [], []
+    for arch in _archs_of(args):
+        config = model_config(**_shape(args, arch), attn_implementation=args.attn)
+        recurrent = has_recurrent_layers(config)
+        workloads = {}
+        for name, workload in _workloads(args).items():
+            tree = PrefixTree.from_rollouts(workload.generate(config.vocab_size, args.seed))
+            workloads[name] = (tree, {m: s for m, s in modes.items()
+                                      if skip_reason(m, s, name, device, recurrent) is None})
+        works.append(bench_flops(ModelShape.from_config(config), workloads, repeats=args.repeats, warmup=args.warmup,
+                                 logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves,
+                                 long_len=args.long_len, recompute_chunk=args.recompute_chunk,
+                                 vocab=config.vocab_size, seed=args.seed, mask_in_sweep=takes_tree_mask(config)))
+        configs.append(config)
+    total = BenchWork({name: sum(w.workloads[name] for w in works) for name in works[0].workloads},
+                      sum(w.memory_sweep for w in works), sum(w.long_rollout for w in works))
+    return total, configs[0]
+
+
+def _archs_of(args: Namespace) -> list[str]:
+    """The model families of the run: ``--arch``, then ``--also-arch`` (a preset: its own family only)."""
+    if args.preset:
+        return [args.arch]
+    return list(dict.fromkeys([args.arch, *args.also_arch]))
 
 
 def _modes(args: Namespace, engine: EngineOptions) -> tuple[dict[str, ModeSpec], ModeSpec | None]:
@@ -195,9 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     modes, profiled = _modes(args, engine)  # the settings are checked before the model is built
     workloads = _workloads(args)
-    model = _model(args)
-    total = (len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
-             + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
+    archs = _archs_of(args)
+    if args.preset and args.also_arch:
+        raise ConfigError("--also-arch builds models of --layers/--hidden/..., which --preset replaces. Fix: drop "
+                          "--preset, or --also-arch")
+    total = len(archs) * (
+        len(workloads) * (len(modes) * (args.repeats + 1) + (0 if args.no_logprobs else 2 * args.repeats))
+        + len(args.memory_leaves) * MEMORY_SWEEP_MODES + (LONG_ROLLOUT_MODES if args.long_len else 0))
     bar = tqdm(total=total, desc="bench", disable=args.no_progress, file=sys.stderr)
 
     def progress(message: str) -> None:
@@ -209,22 +259,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": torch.get_num_threads(), "device": args.device,
             "gpu": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None}
 
-    def finished(part: str, record: dict) -> None:
-        if args.results_jsonl:
-            report.append_jsonl(Path(args.results_jsonl), {"part": part, "meta": meta, **record})
+    everything = BenchResults()
+    for arch in archs:
+        model = _model(args, arch)
+        name = args.preset or arch
 
-    results = run_bench(model, workloads, modes, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
-                        logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
-                        recompute_chunk=args.recompute_chunk, engine=engine, profile=profiled, progress=progress,
-                        finished=finished)
+        def finished(part: str, record: dict, name: str = name) -> None:
+            if args.results_jsonl:
+                report.append_jsonl(Path(args.results_jsonl), {"part": part, "meta": meta, **record})
+
+        results = run_bench(model, workloads, modes, repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                            logprobs=not args.no_logprobs, memory_leaves=args.memory_leaves, long_len=args.long_len,
+                            recompute_chunk=args.recompute_chunk, engine=engine, profile=profiled,
+                            progress=progress, finished=finished, model_name=name)
+        config = model.config
+        kinds = model_layer_kinds(config)
+        layers = (f"{config.num_hidden_layers} layers ({kinds.count('full_attention')} attention)"
+                  if is_recurrent(kinds) else f"{config.num_hidden_layers} layers")
+        header = (f"model: {name} {layers}, hidden {config.hidden_size}, vocab {config.vocab_size}, "
+                  f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, {args.dtype} on "
+                  f"{args.device}; torch {torch.__version__}; {torch.get_num_threads()} threads")
+        bar.clear()
+        print(report.render(results, header, args.profile) + "\n", flush=True)
+        everything.merge(results, name)
+        del model
     bar.close()
-    config = model.config
-    header = (f"model: {args.arch if not args.preset else args.preset} {config.num_hidden_layers} layers, hidden "
-              f"{config.hidden_size}, vocab {config.vocab_size}, {args.dtype} on {args.device}; torch "
-              f"{torch.__version__}; {torch.get_num_threads()} threads")
-    print(report.render(results, header, args.profile))
+    if len(archs) > 1:
+        print(report.side_by_side(everything.rows))
     if args.out:
-        written = report.save(Path(args.out), meta, results, plots=not args.no_plots)
+        written = report.save(Path(args.out), meta, everything, plots=not args.no_plots)
         print("\nwrote " + ", ".join(str(p) for p in written))
     return 0
 

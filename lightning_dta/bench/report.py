@@ -28,6 +28,27 @@ def table(all_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def side_by_side(all_rows: list[dict]) -> str:
+    """Per workload, each model's tree walk against its own per-rollout training: the speed-ups of dfs, dfs with
+    recompute and forward-only ``tree_logprobs``, and dfs's fraction of its FLOP-model limit."""
+    header = (f"{'workload':<12} {'model':<10} {'C':>5} {'flop lim':>8} {'dfs':>6} {'of lim':>6} {'recomp':>6} "
+              f"{'logprobs':>8} {'vanilla s':>9} {'dfs s':>7} {'dfs err':>8}")
+    lines = ["side by side (speed-ups over each model's own per-rollout training):", header, "-" * len(header)]
+    by_key = {(r["workload"], r["model"], r["mode"]): r for r in all_rows}
+    for workload, model in dict.fromkeys((r["workload"], r["model"]) for r in all_rows):
+        def get(mode: str, key: str, spec: str, workload: str = workload, model: str = model) -> str:
+            row = by_key.get((workload, model, mode))
+            return _fmt(row[key] if row else None, spec)
+
+        dfs = by_key.get((workload, model, "dfs"), {})
+        lines.append(f"{workload:<12} {model:<10} {_fmt(dfs.get('compression'), '.2f'):>5} "
+                     f"{get('dfs', 'flop_speedup_limit', '.2f'):>8} {get('dfs', 'speedup', '.2f'):>6} "
+                     f"{get('dfs', 'fraction_of_flop_limit', '.2f'):>6} {get('dfs-recompute', 'speedup', '.2f'):>6} "
+                     f"{get('logprobs-tree', 'speedup', '.2f'):>8} {get('vanilla', 'median_s', '.3f'):>9} "
+                     f"{get('dfs', 'median_s', '.3f'):>7} {get('dfs', 'grad_rel_error', '.1e'):>8}")
+    return "\n".join(lines)
+
+
 def render(results: BenchResults, header: str, profiled_mode: str | None = None) -> str:
     """The whole terminal report: the model line, the table, profiles and the memory sweeps."""
     lines = [header, table(results.rows)]
@@ -95,10 +116,12 @@ def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> lis
 
     paths = []
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    modes = sorted({r["mode"] for r in all_rows if r["speedup"] is not None and not r["mode"].startswith("logprobs")})
-    for mode in modes:
-        pts = [(r["compression"], r["speedup"], r["workload"]) for r in all_rows if r["mode"] == mode]
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=mode)
+    several = len({r.get("model") for r in all_rows}) > 1  # --also-arch: a series per model and mode
+    series = sorted({(r.get("model") or "", r["mode"]) for r in all_rows
+                     if r["speedup"] is not None and not r["mode"].startswith("logprobs")})
+    for model, mode in series:
+        pts = [(r["compression"], r["speedup"]) for r in all_rows if r["mode"] == mode and r.get("model", "") == model]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], label=f"{model} {mode}" if several else mode)
     limits = {(r["workload"], r["compression"], r["flop_speedup_limit"]) for r in all_rows
               if r["flop_speedup_limit"] is not None and not r["mode"].startswith("logprobs")}
     ax.scatter([c for _, c, _ in limits], [f for *_, f in limits], marker="x", color="black",
@@ -112,9 +135,10 @@ def plot(out_dir: Path, all_rows: list[dict], memory_scaling: list[dict]) -> lis
                        out_dir / "speedup_vs_compression.png"))
     if memory_scaling:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        for mode in sorted({m["mode"] for m in memory_scaling}):
-            pts = sorted((m["leaves"], m["peak_saved_mib"]) for m in memory_scaling if m["mode"] == mode)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        for model, mode in sorted({(m.get("model") or "", m["mode"]) for m in memory_scaling}):
+            pts = sorted((m["leaves"], m["peak_saved_mib"]) for m in memory_scaling
+                         if m["mode"] == mode and m.get("model", "") == model)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{model} {mode}" if several else mode)
         paths.append(_save(fig, ax, "leaves (responses per prompt)", "peak bytes saved for backward (MiB)",
                            out_dir / "memory_vs_leaves.png"))
     return paths

@@ -22,6 +22,7 @@ from lightning_dta.distributed.collectives import synchronize
 from lightning_dta.engine import EngineOptions, tree_backward, tree_logprobs
 from lightning_dta.engine.activation_budget import path_kv_bytes
 from lightning_dta.engine.device import to_device
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 from lightning_dta.engine.memory import SavedTensorMeter, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from lightning_dta.plan.flops import ModelShape, speedup_limit
 from lightning_dta.shapes.modes import ModeSpec
@@ -33,8 +34,12 @@ BASELINE = "vanilla"
 PEER_WORKLOADS = {"prefix-grouper": ("grpo",)}  # one-level sharing: the GRPO shape only
 
 
-def skip_reason(name: str, spec: ModeSpec, workload: str, device: torch.device) -> str | None:
-    """Why mode ``name`` does not run on ``workload`` here (``None``: it runs)."""
+def skip_reason(name: str, spec: ModeSpec, workload: str, device: torch.device, recurrent: bool = False
+                ) -> str | None:
+    """Why mode ``name`` does not run on ``workload`` here (``None``: it runs). ``recurrent``: the model has
+    recurrent layers (a hybrid), which a tree mask cannot reach (the engine refuses ``mask`` for them)."""
+    if recurrent and spec.engine.mode == "mask":
+        return f"{name}: a tree mask cannot reach a hybrid's recurrent layers (the engine refuses mode='mask')"
     if spec.peer is None:
         return None
     if workload not in PEER_WORKLOADS[spec.peer]:
@@ -190,6 +195,14 @@ class BenchResults:
     profiles: dict[str, str] = field(default_factory=dict)  # workload -> profiler table
     skipped: list[str] = field(default_factory=list)  # modes that did not run, with the reason
 
+    def merge(self, other: BenchResults, model: str) -> None:
+        """Add ``other``'s measurements (of ``model``: its records carry the name, its notes get it here)."""
+        self.rows += other.rows
+        self.memory_scaling += other.memory_scaling
+        self.long_rows += other.long_rows
+        self.profiles |= {f"{model} {workload}": text for workload, text in other.profiles.items()}
+        self.skipped += [f"{model} {note}" for note in other.skipped]
+
 
 def path_buffer_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     """The dfs path buffers: keys, values and their gradients, per layer, for ``tokens`` positions. They are
@@ -230,11 +243,20 @@ def long_rollout_modes(chunk_size: int) -> dict[str, ModeSpec]:
             "dfs-recompute": ModeSpec(EngineOptions(activation="recompute", chunk_size=chunk_size))}
 
 
+def takes_tree_mask(config) -> bool:
+    """Whether the model runs ``mode="mask"``: attention that takes a 4-D mask, and no recurrent layers."""
+    return config._attn_implementation in ("sdpa", "eager") and not has_recurrent_layers(config)
+
+
+def has_recurrent_layers(config) -> bool:
+    return is_recurrent(model_layer_kinds(config.get_text_config()))
+
+
 def memory_scaling(model: nn.Module, leaves: Sequence[int], vocab: int, seed: int, sibling_batch_tokens: int | None,
                    progress: Callable[[str], None] | None = None) -> list[dict]:
     """Peak bytes saved for backward as the number of responses per prompt grows (dfs flat, mask grows)."""
-    # flash attention takes no 4-D tree mask
-    modes = memory_sweep_modes(sibling_batch_tokens, model.config._attn_implementation in ("sdpa", "eager"))
+    # flash attention takes no 4-D tree mask, nor do recurrent layers
+    modes = memory_sweep_modes(sibling_batch_tokens, takes_tree_mask(model.config))
     out = []
     for n in leaves:
         tree = PrefixTree.from_rollouts(GRPOWorkload(1, n, (400, 400), (128, 128)).generate(vocab, seed))
@@ -261,14 +283,16 @@ def long_rollout_memory(model: nn.Module, length: int, vocab: int, seed: int, ch
 
 
 def result_rows(workload: str, stats: TreeStats, results: dict[str, ModeResult], flop_limit: float | None,
-         baseline: str = BASELINE) -> list[dict]:
-    """One record per mode; speed-ups against ``baseline`` (forward-only log-prob rows pass their own)."""
+                baseline: str = BASELINE, model: str = "") -> list[dict]:
+    """One record per mode of ``model``; speed-ups against ``baseline`` (forward-only log-prob rows pass their
+    own)."""
     base = results[baseline].median if baseline in results else None
     checkpointed = results["vanilla-ckpt"].median if "vanilla-ckpt" in results else None
     out = []
     for name, r in results.items():
         speedup = base / r.median if base else None
         out.append({
+            "model": model,
             "workload": workload,
             "mode": name,
             "compression": stats.compression_ratio,
@@ -296,10 +320,10 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
               warmup: int, seed: int, recompute_chunk: int, engine: EngineOptions, logprobs: bool = True,
               memory_leaves: Sequence[int] = (), long_len: int = 0, profile: ModeSpec | None = None,
               progress: Callable[[str], None] | None = None,
-              finished: Callable[[str, dict], None] | None = None) -> BenchResults:
+              finished: Callable[[str, dict], None] | None = None, model_name: str = "") -> BenchResults:
     """Every mode on every workload, then the memory sweeps (module docstring). ``finished(part, record)`` is
     called as each part ends (a workload's rows, the memory sweep, the long rollout), so that a run stopped
-    midway keeps what it measured."""
+    midway keeps what it measured. Every record carries ``model_name`` as ``"model"``."""
     finished = finished or (lambda part, record: None)
     config = model.config
     shape = ModelShape.from_config(config)
@@ -314,27 +338,28 @@ def run_bench(model: nn.Module, workloads: dict[str, object], modes: dict[str, M
         device = next(model.parameters()).device
         runnable = {}
         for mode, spec in modes.items():
-            reason = skip_reason(mode, spec, name, device)
+            reason = skip_reason(mode, spec, name, device, has_recurrent_layers(config))
             if reason:
                 results.skipped.append(f"{name}: {reason}")
             else:
                 runnable[mode] = spec
         measured = run_training_modes(model, tree, loss_fn, runnable, repeats, warmup, progress)
-        results.rows += result_rows(name, tree.stats, measured, limit)
+        results.rows += result_rows(name, tree.stats, measured, limit, model=model_name)
         if logprobs:  # forward only: against the per-rollout forward, with its own FLOP limit
             dfs_engine = modes["dfs"].engine if "dfs" in modes else EngineOptions()
             measured = run_logprob_modes(model, tree, repeats, dfs_engine, progress)
-            results.rows += result_rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla")
+            results.rows += result_rows(name, tree.stats, measured, forward_limit, baseline="logprobs-vanilla",
+                                        model=model_name)
         if profile is not None:
             results.profiles[name] = profile_step(model, tree, loss_fn, profile)
         finished("workload", {"workload": name, "results": [r for r in results.rows if r["workload"] == name],
                               "skipped": [s for s in results.skipped if s.startswith(f"{name}: ")]})
     if memory_leaves:
-        results.memory_scaling = memory_scaling(model, memory_leaves, config.vocab_size, seed,
-                                                engine.sibling_batch_tokens, progress)
+        results.memory_scaling = [{"model": model_name, **m} for m in memory_scaling(
+            model, memory_leaves, config.vocab_size, seed, engine.sibling_batch_tokens, progress)]
         finished("memory_scaling", {"memory_scaling": results.memory_scaling})
     if long_len:
-        results.long_rows = long_rollout_memory(model, long_len, config.vocab_size, seed, recompute_chunk,
-                                                next(model.parameters()).dtype, progress)
+        results.long_rows = [{"model": model_name, **r} for r in long_rollout_memory(
+            model, long_len, config.vocab_size, seed, recompute_chunk, next(model.parameters()).dtype, progress)]
         finished("long_sequence", {"long_sequence": results.long_rows})
     return results

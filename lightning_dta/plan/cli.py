@@ -3,7 +3,9 @@
     lightning-dta plan --model qwen3-8b --workload tau2-like --devices 8 --strategy dta_fsdp --memory 80GB
 
 The model is a shape (a preset, or a local ``config.json`` / model directory: no weights are read); the step is a
-rollout file or a bench workload. Activation rates are probed on the CPU on one- and two-layer clones of the
+rollout file or a bench workload. A hybrid (Gated DeltaNet, Mamba2 or short-convolution layers next to attention)
+is priced per layer kind: its recurrent layers' FLOPs per token and the fixed-size states its path holds
+(:mod:`lightning_dta.plan.mixers`). Activation rates are probed on the CPU on one- and two-layer clones of the
 shape (20-45 s for an 8B shape on two cores), then the training walk's schedule runs dry (:mod:`lightning_dta.plan`).
 """
 
@@ -23,13 +25,13 @@ from lightning_dta.core.balance import partition
 from lightning_dta.core.errors import UsageError
 from lightning_dta.core.rollout import RolloutError, read_rollouts, validate_rollouts
 from lightning_dta.core.tree import PrefixTree
-from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 from lightning_dta.engine.options import EngineOptions
-from lightning_dta.plan.flops import tensor_parallel_config
+from lightning_dta.plan.flops import ModelShape, tensor_parallel_config
+from lightning_dta.plan.mixers import UnpricedModelError
 from lightning_dta.plan.predict import HEADROOM, StepPlan, fitting_options, plan_step
 from lightning_dta.plan.rates import probe_rates
 from lightning_dta.plan.state import OPTIMIZER_STATES, PRECISIONS, TrainingState, parameter_count
-from lightning_dta.shapes.models import PRESETS, model_config
+from lightning_dta.shapes.models import HYBRID_PRESETS, PRESETS, hybrid_preset_config, model_config
 from lightning_dta.shapes.modes import RECOMPUTE_CHUNK, planned_modes
 from lightning_dta.shapes.workloads import WORKLOADS
 
@@ -41,6 +43,7 @@ class PlanError(UsageError, ValueError):
     """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
 
 
+PRESET_NAMES = ["bench", *sorted(PRESETS), *sorted(HYBRID_PRESETS)]
 UNIT_NAMES = "B, kB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"
 SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
@@ -85,11 +88,13 @@ def load_config(model: str):
         return model_config()
     if model in PRESETS:
         return model_config(**PRESETS[model], max_positions=40960)
+    if model in HYBRID_PRESETS:
+        return hybrid_preset_config(model)
     path = Path(model)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise PlanError(f"--model {model!r} is neither a preset ({', '.join(['bench', *sorted(PRESETS)])}) nor a "
+        raise PlanError(f"--model {model!r} is neither a preset ({', '.join(PRESET_NAMES)}) nor a "
                         "config.json or a model directory with one")
     from transformers import AutoConfig
 
@@ -100,11 +105,6 @@ def load_config(model: str):
         raise PlanError(f"--model {model!r}: {path} is not a Hugging Face model config transformers accepts ({cause}). "
                         "Fix: a config.json with a consistent shape (e.g. hidden_size a multiple of "
                         "num_attention_heads)") from error
-    kinds = model_layer_kinds(config.get_text_config())
-    if is_recurrent(kinds):
-        raise PlanError(f"--model {model!r} has recurrent layers (layer types {sorted(set(kinds))}), which the planner "
-                        "does not price yet (their FLOPs per token and the states held on the path); the tree walk "
-                        "itself trains such models. Fix: plan with an attention-only model of the same size")
     config._attn_implementation = "sdpa"
     return config
 
@@ -112,8 +112,8 @@ def load_config(model: str):
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="lightning-dta plan", description=__doc__, default_meta=False, exit_on_error=False)
     parser.add_argument("--model", default="bench",
-                        help=f"a preset ({', '.join(['bench', *sorted(PRESETS)])}), a config.json or a model "
-                        "directory (default: bench, the bench's 4-layer model)")
+                        help=f"a preset ({', '.join(PRESET_NAMES)}; the hybrids: transformers' config defaults of "
+                        "the family), a config.json or a model directory (default: bench, the bench's 4-layer model)")
     parser.add_argument("--workload", default=None, choices=sorted(WORKLOADS),
                         help="a bench workload as the step (default: agent)")
     parser.add_argument("--rollouts", default=None, help="a rollout JSONL file as the step (instead of --workload)")
@@ -204,6 +204,10 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
     trees, what = _rank_trees(args, config)
     parameters = parameter_count(config)
     try:
+        ModelShape.from_config(config)  # a hybrid's layers are priced, or refused by name, before the probes run
+    except UnpricedModelError as error:
+        raise PlanError(f"--model {args.model!r}: {error}") from error
+    try:
         state = TrainingState(parameters, args.precision, args.optimizer, args.strategy, args.devices,
                               args.tensor_parallel, args.walk_gradient_dtype)
         config = tensor_parallel_config(config, args.tensor_parallel)  # what one rank computes
@@ -231,6 +235,8 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
                   "forward_only": {"bytes": max(p.forward_only.activations for p in plans),
                                    "tflops": max(p.forward_only.flops for p in plans) / 1e12,
                                    "vanilla_tflops": max(p.vanilla_forward_flops for p in plans) / 1e12}}
+        if plans[0].shape.layer_macs is not None:
+            record["hybrid"] = _hybrid_record(plans[0])
         if fits is not None:
             record["fits"] = common_fits(fits)
         print(json.dumps(record, indent=2))
@@ -248,6 +254,14 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
           + (f", unsharded weights + {args.walk_gradient_dtype} gradient during the walk {gib(state.gathered)}"
              if state.gathered else "")
           + f" = {gib(state.total)}")
+    if shape.layer_macs is not None:
+        hybrid = _hybrid_record(plans[0])
+        print(f"hybrid: {hybrid['attention_layers']} of {shape.layers} layers attend; per token the layers cost "
+              f"{2 * hybrid['layer_macs_per_token'] / 1e9:.3g} GFLOPs forward, of which the recurrent scans "
+              f"{2 * hybrid['recurrent_core_macs_per_token'] / 1e9:.3g}; a chunk end hands "
+              f"{gib(hybrid['state_bytes_per_node'])} of recurrent states to what lies below it (conv windows + "
+              "scan states, whatever the path's length; 'path buf' holds it and its gradient per chunk end on the "
+              "path)")
     print("\nper rank, the largest over ranks (activations: saved for backward + dfs path buffers + "
           "checkpointing's recomputed layer + the head's working set)")
     print(f"{'mode':<16}{'saved':>12}{'path buf':>12}{'head+recomp':>12}{'activations':>14}{'peak':>12}"
@@ -268,6 +282,14 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
     if fits is not None:
         _print_fits(common_fits(fits), memory, args.memory, args.strategy)
     return 0
+
+
+def _hybrid_record(plan: StepPlan) -> dict:
+    """A hybrid's layer costs and the states one chunk end hands on."""
+    shape = plan.shape
+    return {"attention_layers": shape.attention_layers, "layer_macs_per_token": shape.layer_macs,
+            "recurrent_core_macs_per_token": shape.recurrent_core_macs,
+            "state_bytes_per_node": plan.state_bytes_per_node}
 
 
 def common_fits(fits: list[list]) -> list[dict]:

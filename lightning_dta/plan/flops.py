@@ -1,12 +1,18 @@
 """FLOPs of a forward, from the model's shape: linear layers per token, attention per (query, key) pair, the LM head
 per scored position. A backward costs two forwards; recompute and activation checkpointing add one body forward
-of what they re-run. Multiply-accumulates count as two FLOPs."""
+of what they re-run. Multiply-accumulates count as two FLOPs.
+
+A hybrid (recurrent layers next to attention) has the same three terms: its recurrent layers cost a fixed amount
+per token (projections, convolution, the chunked scan: :mod:`.mixers`), so they join the per-token term, and only
+its attention layers attend pairs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from lightning_dta.core.tree import PrefixTree, attention_pairs, causal_pairs
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
+from lightning_dta.plan.mixers import attention_layers, layer_macs_per_token, meta_model
 
 
 @dataclass(frozen=True)
@@ -21,10 +27,16 @@ class ModelShape:
     intermediate: int
     vocab: int
     vocab_shards: int = 1  # a vocabulary-parallel head computes 1/vocab_shards of the logits on each rank
+    # hybrids (read off the layers, :mod:`.mixers`); ``None``: every layer is attention and a gated MLP
+    attention_layers: int | None = None
+    layer_macs: int | None = None  # all decoder layers' multiply-accumulates per token
+    recurrent_core_macs: int = 0  # of which the recurrent cores (the chunked scans)
 
     @classmethod
     def from_config(cls, config, vocab_shards: int = 1) -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if is_recurrent(model_layer_kinds(text)):
+            return cls._hybrid(config, text, vocab_shards)
         heads = text.num_attention_heads
         return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
                    # optional config fields: not every model family has them
@@ -33,16 +45,36 @@ class ModelShape:
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
                    intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=vocab_shards)
 
+    @classmethod
+    def _hybrid(cls, config, text, vocab_shards: int) -> ModelShape:
+        """A model with recurrent layers: its layers' costs read off the model built on the meta device."""
+        layer_macs, cores = layer_macs_per_token(meta_model(config), config)
+        # optional config fields: a pure state-space model (mamba2) has no attention heads
+        heads = getattr(text, "num_attention_heads", None) or 0
+        return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
+                   # optional config fields: not every model family has them
+                   kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+                   # optional config fields: not every model family has them
+                   head_dim=getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0),
+                   # optional config field: not every model family has it
+                   intermediate=getattr(text, "intermediate_size", None) or 0, vocab=text.vocab_size,
+                   vocab_shards=vocab_shards, attention_layers=attention_layers(config), layer_macs=layer_macs,
+                   recurrent_core_macs=cores)
+
     @property
     def linear_macs_per_token(self) -> int:
-        """q, k, v and o projections and the gated MLP (gate, up, down) of every layer."""
+        """q, k, v and o projections and the gated MLP (gate, up, down) of every layer (a hybrid: every layer's
+        projections, convolutions, experts visited and recurrent cores, :mod:`.mixers`)."""
+        if self.layer_macs is not None:
+            return self.layer_macs
         attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
         return self.layers * (attention + 3 * self.hidden * self.intermediate)
 
     @property
     def attention_macs_per_pair(self) -> int:
-        """q.k and p.v of every head of every layer for one (query, key) pair."""
-        return self.layers * 2 * self.heads * self.head_dim
+        """q.k and p.v of every head of every attention layer for one (query, key) pair."""
+        layers = self.layers if self.attention_layers is None else self.attention_layers
+        return layers * 2 * self.heads * self.head_dim
 
     @property
     def head_macs_per_position(self) -> int:
@@ -98,6 +130,9 @@ def tensor_parallel_config(config, size: int):
         return config
     local = copy.deepcopy(config)
     text = local.get_text_config() if hasattr(local, "get_text_config") else local
+    if is_recurrent(model_layer_kinds(text)):
+        raise ValueError(f"tensor parallelism of {size}: the planner does not split a hybrid's recurrent layers "
+                         "over ranks (plan it with tensor parallelism 1)")
     heads = text.num_attention_heads
     # optional config fields: not every model family has them
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

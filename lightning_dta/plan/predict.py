@@ -3,9 +3,16 @@
 Per mode, the peak of bytes saved for backward comes from a dry run of the mode's schedule (:class:`PlannedWalk`
 for dfs: the engine's own :class:`~lightning_dta.engine.dfs.DFSSchedule`), each forward priced by
 :class:`~lightning_dta.plan.rates.ActivationRates`. Beside it: the dfs path buffers (keys, values and their
-gradients, allocated outside autograd), what activation checkpointing recomputes in backward (one layer, which
-a saved-tensor meter does not see) and the head's working set (the largest batch's logits, their gradient and one
-float32 block of the log-softmax), which lives only during a loss and its backward.
+gradients, allocated outside autograd; for a hybrid also each recurrent layer's fixed-size state and its gradient
+at every chunk end on the path, :func:`~lightning_dta.plan.mixers.recurrent_state_bytes`), what activation
+checkpointing recomputes in backward (one layer, which a saved-tensor meter does not see) and the head's working
+set (the largest batch's logits, their gradient and one float32 block of the log-softmax), which lives only during
+a loss and its backward.
+
+A hybrid's saved bytes are less exact than an attention model's: transformers' CPU Gated DeltaNet pads every
+forward to whole 64-token chunks and saves per padded chunk, so forwards shorter than the 64-token probe save more
+per token than probed (measured on a tiny Qwen3.5, GRPO shape: dfs +6%, per-rollout -10%, recompute with 32-token
+chunks -48%).
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from lightning_dta.core.tree import PrefixTree, causal_pairs
 from lightning_dta.engine.activation_budget import ActivationBudget, path_kv_bytes
 from lightning_dta.engine.cousins import PendingChunks, successors
 from lightning_dta.engine.dfs import DFSSchedule
+from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
 from lightning_dta.engine.options import EngineOptions
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.engine.token_scores import BLOCK_ELEMENTS
 from lightning_dta.engine.vanilla import micro_batches
 from lightning_dta.engine.walk import Chunk, order_children
 from lightning_dta.plan.flops import ModelShape, WorkCount
+from lightning_dta.plan.mixers import meta_model, recurrent_state_bytes
 from lightning_dta.plan.rates import ActivationRates
 from lightning_dta.plan.state import TrainingState
 from lightning_dta.shapes.modes import ModeSpec, planned_modes
@@ -41,7 +50,7 @@ class ModePrediction:
     name: str
     engine: EngineOptions
     saved: float  # peak bytes saved for backward at once (what SavedTensorMeter measures)
-    path_buffers: float  # dfs: keys, values and their gradients for the longest path
+    path_buffers: float  # dfs: keys, values and their gradients for the longest path (and a hybrid's states)
     recomputed_layer: float  # activation checkpointing: one layer re-run in backward (not a saved tensor)
     head_working_set: float  # the largest batch's logits, their gradient and one float32 block
     flops: float
@@ -63,6 +72,7 @@ class StepPlan:
     vanilla_forward_flops: float
     stats: object  # the tree's TreeStats
     notes: list[str] = field(default_factory=list)
+    state_bytes_per_node: int = 0  # a hybrid: the recurrent states one chunk end hands to what lies below
 
     def peak(self, mode: ModePrediction) -> float:
         return self.state.total + mode.activations
@@ -81,6 +91,7 @@ class PlannedWalk(DFSSchedule):
         self.live = self.peak = 0.0
         self.work = WorkCount()
         self.largest_positions = 0
+        self.held_states = self.most_held_states = 0  # chunk ends on the path whose states are held
 
     def _hold(self, nbytes: float) -> None:
         self.live += nbytes
@@ -108,7 +119,10 @@ class PlannedWalk(DFSSchedule):
             self.work.recomputed_pairs += pairs
         for chunk in plan.chunks:
             if chunk.has_children:
+                self.held_states += 1
+                self.most_held_states = max(self.most_held_states, self.held_states)
                 self.descend(chunk)
+                self.held_states -= 1
         if not plan.keep:
             self._hold(saved)
             self.live -= saved - retained
@@ -116,9 +130,23 @@ class PlannedWalk(DFSSchedule):
         self.release(plan)
 
 
+def state_bytes(config, dtype: torch.dtype) -> int:
+    """The recurrent states one chunk end hands on (0 for an attention-only model: nothing to build)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not is_recurrent(model_layer_kinds(text)):
+        return 0
+    return recurrent_state_bytes(meta_model(config), dtype)
+
+
 def head_working_set(positions: int, vocab: int, dtype: torch.dtype) -> float:
     """Logits [positions, vocab] and their gradient in the model's dtype, and one float32 block."""
     return 2.0 * positions * vocab * dtype.itemsize + 4.0 * min(positions * vocab, BLOCK_ELEMENTS)
+
+
+def path_state_bytes(walk: PlannedWalk, state_bytes_per_node: int) -> float:
+    """A hybrid's recurrent states on the path at its deepest: one state per chunk end with something below it
+    (the walk's own chunks, so ``chunk_size`` and ``auto``'s cuts count), and its summed gradient."""
+    return 2.0 * state_bytes_per_node * walk.most_held_states
 
 
 def _dfs(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rates: ActivationRates,
@@ -126,7 +154,8 @@ def _dfs(name: str, tree: PrefixTree, engine: EngineOptions, step: StepData, rat
     kv = path_kv_bytes(config, tree.stats.max_depth_tokens, dtype)
     walk = PlannedWalk(tree, engine, step, rates, kv)
     walk.run()
-    return ModePrediction(name, engine, saved=walk.peak, path_buffers=2.0 * kv, recomputed_layer=0.0,
+    states = path_state_bytes(walk, state_bytes(config, dtype))
+    return ModePrediction(name, engine, saved=walk.peak, path_buffers=2.0 * kv + states, recomputed_layer=0.0,
                           head_working_set=head_working_set(walk.largest_positions, shape.vocab, dtype),
                           flops=walk.work.training_flops(shape))
 
@@ -186,6 +215,7 @@ def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, dt
     ancestors of pending chunks, the batch's own and its ancestor levels' concatenations, and the batch's logits.
     Also returns the per-rollout forward's FLOPs."""
     per_token = path_kv_bytes(config, 1, dtype)
+    per_state = state_bytes(config, dtype)
     roots = [Chunk.first(child, engine.chunk_size) for child in order_children(tree.root, engine.order)]
     pending = PendingChunks(roots)
     work, peak = WorkCount(), 0.0
@@ -199,7 +229,7 @@ def _forward_only(tree: PrefixTree, engine: EngineOptions, shape: ModelShape, dt
         copies = _level_copies(ancestry)
         held = sum(c.length for c in pending.kv)
         logits = tokens * shape.vocab * dtype.itemsize + 4.0 * min(tokens * shape.vocab, BLOCK_ELEMENTS)
-        peak = max(peak, (held + tokens + copies) * per_token + logits)
+        peak = max(peak, (held + tokens + copies) * per_token + len(pending.kv) * per_state + logits)
         pending.finish(batch, lambda row: None, lambda c: successors(c, engine.chunk_size, engine.order))
     lengths = [len(t) for t in tree.token_tensors]
     vanilla = shape.forward_flops(sum(lengths), sum(causal_pairs(0, n) for n in lengths), sum(lengths))
@@ -233,7 +263,8 @@ def plan_step(tree: PrefixTree, config, rates: ActivationRates, state: TrainingS
     walk_engine = next((s.engine for s in modes.values() if s.engine.mode == "dfs"), EngineOptions())
     shape = ModelShape.from_config(config, state.tensor_parallel)
     forward_only, vanilla_forward = _forward_only(tree, walk_engine, shape, state.activation_dtype, config)
-    return StepPlan(shape, state, predictions, forward_only, vanilla_forward, tree.stats)
+    return StepPlan(shape, state, predictions, forward_only, vanilla_forward, tree.stats,
+                    state_bytes_per_node=state_bytes(config, state.activation_dtype))
 
 
 @dataclass

@@ -12,6 +12,11 @@ not depend on the prefix length (the prefix keys/values are the path buffers, co
 The four slopes are probed on clones of the model's config with one and two layers and two small vocabularies,
 in the dtype of the run, by :func:`~lightning_dta.engine.activation_budget.measure_rates` (the probe that
 ``activation="auto"`` runs), so a probe of an 8B shape holds two layers' weights, not 8B of them.
+
+A hybrid's layers save different bytes per kind (a Gated DeltaNet layer is not an attention layer): the one-layer
+clone is of an attention layer (a model's mask needs one), each kind of its pattern is probed as the second layer
+of a two-layer clone, and ``token_per_layer`` is the mean of those over the pattern, so that ``layers *
+token_per_layer`` is the sum over its layers.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from lightning_dta.core.rollout import Rollout
 from lightning_dta.core.tree import PrefixTree
 from lightning_dta.engine.activation_budget import PROBE_TOKENS, measure_rates
 from lightning_dta.engine.forward import forward_batch
+from lightning_dta.engine.layer_kinds import ATTENTION, LAYER_KINDS, is_recurrent, model_layer_kinds
 from lightning_dta.engine.memory import SavedTensorMeter
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.sibling_batch import SiblingBatch
@@ -80,14 +86,17 @@ class ActivationRates:
         return self.per_token, self.per_position, self.grid_entry
 
 
-def clone_config(config, layers: int, vocab: int):
-    """``config`` with ``layers`` decoder layers and a ``vocab``-token vocabulary (per-layer lists cut to length)."""
+def clone_config(config, layers: int, vocab: int, kinds: list[str] | None = None):
+    """``config`` with ``layers`` decoder layers and a ``vocab``-token vocabulary (per-layer lists cut to length;
+    the layers of kinds ``kinds`` if given)."""
     clone = copy.deepcopy(config)
     text = clone.get_text_config() if hasattr(clone, "get_text_config") else clone
     text.num_hidden_layers = layers
     text.vocab_size = vocab
+    if kinds is not None:
+        text.layer_types = list(kinds)
     # optional config fields: not every model family has them
-    if getattr(text, "layer_types", None):
+    elif getattr(text, "layer_types", None):
         text.layer_types = list(text.layer_types[:layers])
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if isinstance(getattr(text, name, None), int) and getattr(text, name) >= vocab:
@@ -95,8 +104,8 @@ def clone_config(config, layers: int, vocab: int):
     return clone
 
 
-def _clone(config, layers: int, vocab: int, dtype: torch.dtype) -> torch.nn.Module:
-    clone = clone_config(config, layers, vocab)
+def _clone(config, layers: int, vocab: int, dtype: torch.dtype, kinds: list[str] | None) -> torch.nn.Module:
+    clone = clone_config(config, layers, vocab, kinds)
     clone._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(clone, dtype=dtype)
@@ -113,9 +122,9 @@ class _Probe:
     packed: bool
 
 
-def _probe(config, layers: int, vocab: int, dtype: torch.dtype) -> _Probe:
-    """Every rate of one clone (``layers`` layers, ``vocab`` tokens)."""
-    model = _clone(config, layers, vocab, dtype)
+def _probe(config, layers: int, vocab: int, dtype: torch.dtype, kinds: list[str] | None = None) -> _Probe:
+    """Every rate of one clone (``layers`` layers, of ``kinds`` if given, ``vocab`` tokens)."""
+    model = _clone(config, layers, vocab, dtype, kinds)
     info = inspect_model(model, uses_cache=True, prefix_attention=None, prefix_attention_backend=None)
     loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     body, head, grid = measure_rates(model, info, loss_dtype, PolicyLoss())
@@ -138,15 +147,29 @@ def _probe(config, layers: int, vocab: int, dtype: torch.dtype) -> _Probe:
 
 def probe_rates(config, dtype: torch.dtype) -> ActivationRates:
     """The :class:`ActivationRates` of ``config`` in ``dtype`` on the CPU (probe forwards of 64 tokens on clones with
-    one and two layers, and with two vocabularies)."""
+    one and two layers, per layer kind of a hybrid, and with two vocabularies)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    one, two = _probe(config, 1, PROBE_VOCAB, dtype), _probe(config, 2, PROBE_VOCAB, dtype)
-    wide = _probe(config, 1, 2 * PROBE_VOCAB, dtype)
+    kinds = model_layer_kinds(text)
+    if is_recurrent(kinds):
+        first = next((k for k in kinds if LAYER_KINDS.get(k, ATTENTION).keys_values), kinds[0])
+        pattern, anchor = list(kinds), [first]
+    else:
+        pattern, anchor = [None], None  # the model's own layers
+    one = _probe(config, 1, PROBE_VOCAB, dtype, anchor)
+    seconds = {k: _probe(config, 2, PROBE_VOCAB, dtype, None if k is None else anchor + [k])
+               for k in dict.fromkeys(pattern)}
+    two = seconds[None if anchor is None else anchor[0]]
+    wide = _probe(config, 1, 2 * PROBE_VOCAB, dtype, anchor)
     per_vocab = (wide.head - one.head) / PROBE_VOCAB
+
+    def per_layer(rate: str) -> float:
+        """The mean over the pattern of one layer's ``rate`` (a second layer of the kind, less the first alone)."""
+        return sum(getattr(seconds[k], rate) - getattr(one, rate) for k in pattern) / len(pattern)
+
     return ActivationRates(
-        token_base=2 * one.body - two.body, token_per_layer=two.body - one.body,
+        token_base=2 * one.body - two.body, token_per_layer=per_layer("body"),
         position_base=one.head - PROBE_VOCAB * per_vocab, position_per_vocab=per_vocab, grid_entry=one.grid,
         headless_tail=one.body - one.retained,
         checkpointed_token_base=2 * one.checkpointed_body - two.checkpointed_body,
-        checkpointed_token_per_layer=two.checkpointed_body - one.checkpointed_body,
+        checkpointed_token_per_layer=per_layer("checkpointed_body"),
         layers=text.num_hidden_layers, vocab=text.vocab_size, packed=one.packed)

@@ -72,3 +72,35 @@ def test_flop_limit_of_known_shapes():
     shared = tree(list(range(8)) + [20, 21, 22, 23], list(range(8)) + [30, 31, 32, 33])
     training, forward = speedup_limit(model, shared, 6), speedup_limit(model, shared, None)
     assert 1.0 < training < forward < 1.5
+
+
+def test_a_hybrid_beside_a_plain_model_in_one_run(tmp_path, capsys):
+    """``--arch qwen3_5 --also-arch llama``: both models on the same workload, the tree mask skipped for the hybrid
+    with its reason, the hybrid's FLOP limit from the hybrid's layers (three Gated DeltaNet layers attend no pairs),
+    and the dfs rows side by side."""
+    from lightning_dta.core.tree import PrefixTree
+    from lightning_dta.plan.flops import ModelShape, speedup_limit
+    from lightning_dta.shapes.models import model_config
+    from lightning_dta.shapes.workloads import GRPOWorkload
+
+    argv = ["--arch", "qwen3_5", "--also-arch", "llama", "--layers", "4", "--hidden", "32", "--heads", "2",
+            "--vocab", "64", "--repeats", "1", "--workloads", "grpo", "--grpo-prompts", "1", "--grpo-group", "3",
+            "--grpo-prompt-len", "24,30", "--grpo-response-len", "4,9", "--memory-leaves", "2", "--long-len", "0",
+            "--modes", "vanilla,mask,dfs", "--no-progress", "--no-plots", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "model: qwen3_5 4 layers (1 attention)" in printed and "model: llama 4 layers," in printed, printed
+    assert "skipped grpo: mask: a tree mask cannot reach a hybrid's recurrent layers" in printed, printed
+    side = printed.split("side by side")[1]
+    assert "qwen3_5" in side and "llama" in side, side
+    rows = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert {(r["model"], r["mode"]) for r in rows if r["mode"] in ("mask", "dfs")} == {
+        ("qwen3_5", "dfs"), ("llama", "dfs"), ("llama", "mask")}
+    for row in rows:
+        assert row["grad_rel_error"] < 1e-5, row
+    tree = PrefixTree.from_rollouts(GRPOWorkload(1, 3, (24, 30), (4, 9)).generate(64, 0))
+    trained = sum(sum(r.mask()[1:]) for r in tree.rollouts)
+    config = model_config(arch="qwen3_5", layers=4, hidden=32, heads=2, vocab=64)
+    hybrid = next(r for r in rows if (r["model"], r["mode"]) == ("qwen3_5", "dfs"))
+    assert hybrid["flop_speedup_limit"] == speedup_limit(ModelShape.from_config(config), tree, trained)
+    assert ModelShape.from_config(config).attention_layers == 1

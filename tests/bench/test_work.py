@@ -65,3 +65,15 @@ def test_a_bench_run_is_its_passes():
     with_more, _ = estimate([*argv[:-5], "--memory-leaves", "2,4", "--long-len", "64"])
     assert with_more.workloads["grpo"] > work.workloads["grpo"]  # + the log-prob rows
     assert with_more.memory_sweep > 0 and with_more.long_rollout > 0
+
+
+def test_a_run_of_several_models_is_the_sum_of_their_runs():
+    argv = ["--layers", "4", "--hidden", "32", "--heads", "2", "--vocab", "256", "--device", "cpu", "--workloads",
+            "grpo", "--grpo-prompts", "1", "--grpo-group", "3", "--grpo-prompt-len", "24,30", "--grpo-response-len",
+            "4,9", "--repeats", "2", "--modes", "vanilla,mask,dfs", "--memory-leaves", "2", "--long-len", "64"]
+    hybrid, _ = estimate(["--arch", "qwen3_5", *argv])
+    plain, _ = estimate(["--arch", "llama", *argv])
+    both, config = estimate(["--arch", "qwen3_5", "--also-arch", "llama", *argv])
+    assert config.model_type == "qwen3_5_text"
+    assert both.total == pytest.approx(hybrid.total + plain.total, rel=1e-12)
+    assert both.workloads["grpo"] == pytest.approx(hybrid.workloads["grpo"] + plain.workloads["grpo"], rel=1e-12)

@@ -267,17 +267,6 @@ def test_an_invalid_model_shape_is_exit_2(tmp_path, capsys) -> None:
     assert "hidden size (63) is not a multiple" in err and "Traceback" not in err, err
 
 
-def test_a_hybrid_model_is_refused_until_the_planner_prices_it(tmp_path, capsys) -> None:
-    """Recurrent layers have no rates or path bytes in the planner yet: exit 2 with the reason, not a traceback."""
-    from tests.helpers.models import make_model
-
-    make_model("qwen3_5").config.save_pretrained(tmp_path)
-    assert main(["--model", str(tmp_path), "--workload", "grpo"]) == 2
-    err = capsys.readouterr().err
-    assert "has recurrent layers" in err and "Fix: plan with an attention-only model" in err, err
-    assert "Traceback" not in err, err
-
-
 def test_more_ranks_than_rollouts_is_noted_and_the_advice_fits_the_strategy(capsys) -> None:
     assert main(["--workload", "grpo", "--devices", "100", "--memory", "1000B"]) == 0
     out, err = capsys.readouterr()
