@@ -11,6 +11,7 @@ References are computed from definitions: ``log_softmax`` of the policy's own fo
 
 from __future__ import annotations
 
+import csv
 import os
 import re
 import subprocess
@@ -147,10 +148,31 @@ def test_fit_against_the_server_keeps_its_weights_the_trainers(server, tmp_path:
     policy = run.model.model.eval()
     versions = sorted(int(p.name.removeprefix("version_")) for p in (tmp_path / "weights").iterdir())
     assert versions == list(range(13))  # at attach, then after each of the 12 steps
+    # every step's trainer log-probs are the server's to float32 rounding (the config's max_logprob_gap, 1e-3,
+    # would have stopped the run; this bounds it tighter)
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        gaps = [float(row["train/logprob_gap_max"]) for row in csv.DictReader(f) if row.get("train/logprob_gap_max")]
+    assert len(gaps) == 12 and max(gaps) < TOLERANCE, gaps
     probe = OpenAICompatibleGenerator(server.url, vllm_server.SERVED_NAME, max_new_tokens=8, weight_sync="none")
     probe.attach(policy, eos_token_id=EOS, pad_token_id=0, share_weights=False)
     prompts = toy_prompts(16)
     assert gap(policy, prompts, probe.generate(prompts, seed=list(range(16)))) < TOLERANCE
+
+
+def test_an_unsynced_server_trips_the_logprob_gap_bound(server, tmp_path: Path, capsys, monkeypatch) -> None:
+    """weight_sync: none: the server keeps the checkpoint it started from while the trainer's policy is another
+    (its SFT warm start): the first RL step's gap is far above the config's max_logprob_gap (1e-3),
+    and the run stops there with the numbers, one line, exit 2."""
+    monkeypatch.setattr(sys, "argv", ["lightning-dta"])
+    monkeypatch.delenv(cli.TRACEBACK, raising=False)
+    status = cli.main(["fit", "--config", str(CONFIG), "--trainer.logger=false", "--trainer.max_steps=3",
+                       "--trainer.enable_progress_bar=false", f"{GENERATOR}.base_url={server.url}",
+                       f"{GENERATOR}.weight_sync=none", f"{GENERATOR}.weight_dir=null"])
+    err = capsys.readouterr().err
+    assert status == 2, err
+    (line,) = err.strip().splitlines()
+    assert re.search(r"step 0: the trainer's log-probs of the sampled tokens are up to .* max_logprob_gap=0.001"
+                     r".*Fix: ", line), line
 
 
 @pytest.mark.long
