@@ -43,6 +43,10 @@ class PlanError(UsageError, ValueError):
     """Bad input to ``lightning-dta plan``: the message says what and how to fix it."""
 
 
+# what a rank of a tensor-parallel group runs of a hybrid's recurrent mixers (distributed/tensor_parallel.py)
+MIXERS_PER_RANK = ("each rank runs every recurrent mixer whole (its convolution, its scan and the states it hands on "
+                   "are not divided; its projections are split by output columns and gathered, so their outputs are "
+                   "whole on every rank); only attention, the MLP and the vocabulary are divided")
 PRESET_NAMES = ["bench", *sorted(PRESETS), *sorted(HYBRID_PRESETS)]
 UNIT_NAMES = "B, kB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2)"
 SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*")
@@ -262,6 +266,8 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
               f"{gib(hybrid['state_bytes_per_node'])} of recurrent states to what lies below it (conv windows + "
               "scan states, whatever the path's length; 'path buf' holds it and its gradient per chunk end on the "
               "path)")
+        if args.tensor_parallel > 1:
+            print(f"hybrid under tensor parallelism {args.tensor_parallel}: {MIXERS_PER_RANK}")
     print("\nper rank, the largest over ranks (activations: saved for backward + dfs path buffers + "
           "checkpointing's recomputed layer + the head's working set)")
     print(f"{'mode':<16}{'saved':>12}{'path buf':>12}{'head+recomp':>12}{'activations':>14}{'peak':>12}"
@@ -285,11 +291,14 @@ def _run(args: Namespace, parser: ArgumentParser) -> int:
 
 
 def _hybrid_record(plan: StepPlan) -> dict:
-    """A hybrid's layer costs and the states one chunk end hands on."""
+    """A hybrid's layer costs and the states one chunk end hands on (one rank's under tensor parallelism)."""
     shape = plan.shape
-    return {"attention_layers": shape.attention_layers, "layer_macs_per_token": shape.layer_macs,
-            "recurrent_core_macs_per_token": shape.recurrent_core_macs,
-            "state_bytes_per_node": plan.state_bytes_per_node}
+    record = {"attention_layers": shape.attention_layers, "layer_macs_per_token": shape.layer_macs,
+              "recurrent_core_macs_per_token": shape.recurrent_core_macs,
+              "state_bytes_per_node": plan.state_bytes_per_node}
+    if plan.state.tensor_parallel > 1:
+        record["recurrent_mixers_per_rank"] = MIXERS_PER_RANK
+    return record
 
 
 def common_fits(fits: list[list]) -> list[dict]:

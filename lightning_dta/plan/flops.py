@@ -10,9 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from lightning_dta.core.tree import PrefixTree, attention_pairs, causal_pairs
 from lightning_dta.engine.layer_kinds import is_recurrent, model_layer_kinds
-from lightning_dta.plan.mixers import attention_layers, layer_macs_per_token, meta_model
+from lightning_dta.plan.mixers import (
+    attention_layers,
+    holds_experts,
+    layer_macs_per_token,
+    meta_model,
+    mixer_projections,
+)
 
 
 @dataclass(frozen=True)
@@ -33,22 +41,27 @@ class ModelShape:
     recurrent_core_macs: int = 0  # of which the recurrent cores (the chunked scans)
 
     @classmethod
-    def from_config(cls, config, vocab_shards: int = 1) -> ModelShape:
+    def from_config(cls, config, tensor_parallel: int = 1) -> ModelShape:
+        """The shape of ``config``: with ``tensor_parallel`` > 1, ``config`` is one rank's
+        (:func:`tensor_parallel_config`), and the head's logits (and a hybrid's mixer projections) are split over
+        ``tensor_parallel`` ranks."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         if is_recurrent(model_layer_kinds(text)):
-            return cls._hybrid(config, text, vocab_shards)
+            return cls._hybrid(config, text, tensor_parallel)
         heads = text.num_attention_heads
         return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
                    # optional config fields: not every model family has them
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    # optional config fields: not every model family has them
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                   intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=vocab_shards)
+                   intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=tensor_parallel)
 
     @classmethod
-    def _hybrid(cls, config, text, vocab_shards: int) -> ModelShape:
-        """A model with recurrent layers: its layers' costs read off the model built on the meta device."""
-        layer_macs, cores = layer_macs_per_token(meta_model(config), config)
+    def _hybrid(cls, config, text, tensor_parallel: int) -> ModelShape:
+        """A model with recurrent layers: its layers' costs read off the model built on the meta device (one
+        rank's under tensor parallelism: each recurrent mixer whole, its projections split;
+        :func:`tensor_parallel_config`)."""
+        layer_macs, cores = layer_macs_per_token(meta_model(config), config, tensor_parallel)
         # optional config fields: a pure state-space model (mamba2) has no attention heads
         heads = getattr(text, "num_attention_heads", None) or 0
         return cls(layers=text.num_hidden_layers, hidden=text.hidden_size, heads=heads,
@@ -58,7 +71,7 @@ class ModelShape:
                    head_dim=getattr(text, "head_dim", None) or (text.hidden_size // heads if heads else 0),
                    # optional config field: not every model family has it
                    intermediate=getattr(text, "intermediate_size", None) or 0, vocab=text.vocab_size,
-                   vocab_shards=vocab_shards, attention_layers=attention_layers(config), layer_macs=layer_macs,
+                   vocab_shards=tensor_parallel, attention_layers=attention_layers(config), layer_macs=layer_macs,
                    recurrent_core_macs=cores)
 
     @property
@@ -122,26 +135,76 @@ def tensor_parallel_config(config, size: int):
     """The shape one rank of a tensor-parallel group of ``size`` computes, as a model config: attention heads, key/
     value heads and the MLP width divided by ``size``, the hidden size (the residual stream: no sequence parallelism)
     and the vocabulary (the head's logits are gathered whole) unchanged. Its activation rates and path buffers are
-    that rank's; its FLOPs too, with the head's divided by ``size`` (``ModelShape.from_config(..., vocab_shards)``).
-    Raises ``ValueError`` when ``size`` does not divide what it splits (the strategy refuses the same)."""
+    that rank's; its FLOPs too, with the head's divided by ``size`` (``ModelShape.from_config(..., size)``).
+
+    A hybrid's recurrent mixers stay whole, as the walk runs them (:mod:`lightning_dta.distributed.tensor_parallel`:
+    a mixer cannot be split by heads): their convolution windows and scan states, and the activations of their
+    gathered projections, are the whole model's on every rank; only the projections' FLOPs are split
+    (:func:`~lightning_dta.plan.mixers.layer_macs_per_token`). Raises ``ValueError`` when ``size`` does not divide
+    what it splits (the strategy refuses the same)."""
     import copy
 
     if size == 1:
         return config
     local = copy.deepcopy(config)
     text = local.get_text_config() if hasattr(local, "get_text_config") else local
-    if is_recurrent(model_layer_kinds(text)):
-        raise ValueError(f"tensor parallelism of {size}: the planner does not split a hybrid's recurrent layers "
-                         "over ranks (plan it with tensor parallelism 1)")
-    heads = text.num_attention_heads
-    # optional config fields: not every model family has them
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads  # optional config field
+    hybrid = is_recurrent(model_layer_kinds(text))
+    # optional config fields: a pure state-space model (mamba2) has no attention and no MLP
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads  # optional config field (MHA models lack it)
+    if hybrid and getattr(text, "block_auto_adjust_ff_dim", False):  # LFM2 derives its MLP width: fix it first
+        text.intermediate_size, text.block_auto_adjust_ff_dim = _lfm2_mlp_width(text), False
+    intermediate = getattr(text, "intermediate_size", None)  # optional config field (mamba2 has none)
     for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", text.intermediate_size), ("vocab_size", text.vocab_size)):
-        if count % size:
+                        ("intermediate_size", intermediate), ("vocab_size", text.vocab_size)):
+        if count is not None and count % size:
             raise ValueError(f"tensor parallelism of {size} does not divide {what}={count}")
-    text.num_attention_heads, text.num_key_value_heads = heads // size, kv_heads // size
-    text.head_dim = head_dim
-    text.intermediate_size //= size
+    if heads is not None:
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads  # optional config field
+        text.num_attention_heads, text.num_key_value_heads = heads // size, kv_heads // size
+        text.head_dim = head_dim
+    if intermediate is not None:
+        text.intermediate_size = intermediate // size
+    if hybrid:
+        _check_rank_split(config, local, size)
     return local
+
+
+def _lfm2_mlp_width(text) -> int:
+    """The width LFM2's MLP derives from its config (transformers 5.24, ``Lfm2MLP``: 2/3 of ``intermediate_size``,
+    times ``block_ffn_dim_multiplier`` rounded up to ``block_multiple_of``), so that the rank's config can divide it."""
+    width = int(2 * text.intermediate_size / 3)
+    if text.block_ffn_dim_multiplier is not None:
+        width = int(text.block_ffn_dim_multiplier * width)
+        width = text.block_multiple_of * ((width + text.block_multiple_of - 1) // text.block_multiple_of)
+    return width
+
+
+def _check_rank_split(config, local, size: int) -> None:
+    """The rank's hybrid, built on the meta device beside the whole one, is split as the walk splits it: every linear
+    layer outside the recurrent mixers (attention, MLP) holds 1/``size`` of the whole one's weights, every mixer
+    is unchanged and its projections divide by ``size`` (split by output columns, then gathered). A family whose
+    config the division does not reach (a derived width, experts) is refused by name rather than mispriced."""
+    whole, rank = meta_model(config), meta_model(local)
+    whole_projections, rank_projections = mixer_projections(whole), mixer_projections(rank)
+    head = whole.get_output_embeddings()
+    rank_modules = dict(rank.named_modules())
+    for name, module in whole.named_modules():
+        if module is head or not any(True for _ in module.parameters(recurse=False)):
+            continue
+        if holds_experts(module):
+            raise ValueError(f"tensor parallelism of {size}: {name} ({type(module).__name__}) is a mixture of "
+                             "experts, which the walk does not split over ranks (transformers' packed expert "
+                             "styles are refused). Fix: plan it with tensor parallelism 1")
+        if not isinstance(module, nn.Linear):  # norms, convolutions, embeddings, a mixer's per-head parameters
+            continue  # whole on every rank
+        other = rank_modules.get(name)
+        weights, rank_weights = module.weight.numel(), other.weight.numel() if other is not None else None
+        expected = weights if name in whole_projections else weights // size
+        if name in whole_projections and module.out_features % size:
+            raise ValueError(f"tensor parallelism of {size} does not divide the {module.out_features} output "
+                             f"features of the recurrent mixer's projection {name}")
+        if rank_weights != expected or (name in whole_projections) != (name in rank_projections):
+            raise ValueError(f"tensor parallelism of {size}: the planner cannot derive what one rank of "
+                             f"{type(whole).__name__} computes ({name}: {rank_weights} weights on a rank, expected "
+                             f"{expected}). Fix: plan it with tensor parallelism 1")

@@ -87,24 +87,40 @@ def _convolution(mixer: nn.Module) -> nn.Conv1d:
     return convs[0]
 
 
-def _experts(module: nn.Module) -> bool:
+def holds_experts(module: nn.Module) -> bool:
     """A mixture of experts' weights: 3-D parameters ``[num_experts, ...]`` (transformers' fused experts)."""
     return hasattr(module, "num_experts") and any(p.dim() == 3 for p in module.parameters(recurse=False))
 
 
-def layer_macs_per_token(model: nn.Module, config) -> tuple[int, int]:
-    """Multiply-accumulates per token of all decoder layers (not the LM head), and of that the recurrent cores."""
+def mixer_projections(model: nn.Module) -> dict[str, nn.Linear]:
+    """The linear projections inside the recurrent mixers, by name: under tensor parallelism they are split by
+    output columns and their outputs gathered (transformers' plan for Qwen3.5's Gated DeltaNet,
+    :mod:`lightning_dta.distributed.tensor_parallel`), while the mixer itself runs whole on every rank."""
+    out = {}
+    for name, module in model.named_modules():
+        if mixer_kind(module) is not None:
+            out |= {f"{name}.{n}": m for n, m in module.named_modules() if isinstance(m, nn.Linear)}
+    return out
+
+
+def layer_macs_per_token(model: nn.Module, config, tensor_parallel: int = 1) -> tuple[int, int]:
+    """Multiply-accumulates per token of all decoder layers (not the LM head), and of that the recurrent cores.
+    ``model`` is one rank's model (its attention and MLP already divided, :func:`~lightning_dta.plan.flops.
+    tensor_parallel_config`); with ``tensor_parallel`` > 1 a rank computes 1/``tensor_parallel`` of each recurrent
+    mixer's projections (its output columns, then gathered) and the mixer's convolution and scan whole."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     head = model.get_output_embeddings()
+    split = {id(m) for m in mixer_projections(model).values()}
     total = cores = 0
     for module in model.modules():
         if module is head:
             continue
         if isinstance(module, nn.Linear):
-            total += module.in_features * module.out_features
+            macs = module.in_features * module.out_features
+            total += macs // tensor_parallel if id(module) in split else macs
         elif isinstance(module, nn.Conv1d):
             total += module.weight.numel()
-        elif _experts(module):
+        elif holds_experts(module):
             # optional config field: only mixture-of-experts families have it
             top_k = getattr(text, "num_experts_per_tok", None)
             if not top_k:

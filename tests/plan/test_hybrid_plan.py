@@ -17,14 +17,16 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import lightning_dta as dta
 from lightning_dta.engine import EngineOptions, recurrent_state
+from lightning_dta.engine.activation_budget import path_kv_bytes
 from lightning_dta.engine.step_data import StepData
 from lightning_dta.plan import ModelShape
-from lightning_dta.plan.cli import main
+from lightning_dta.plan.cli import MIXERS_PER_RANK, main
 from lightning_dta.plan.flops import tensor_parallel_config
 from lightning_dta.plan.mixers import meta_model, recurrent_state_bytes
 from lightning_dta.plan.predict import PlannedWalk, path_state_bytes
 from lightning_dta.plan.rates import ActivationRates
 from lightning_dta.shapes.models import hybrid_preset_config
+from lightning_dta.shapes.workloads import WORKLOADS
 from tests.helpers.models import CONV_KERNEL, SCAN_CHUNK, make_model, random_tree_rollouts
 
 HIDDEN, VOCAB, INTERMEDIATE = 32, 48, 64
@@ -33,25 +35,26 @@ ATTENTION_PROJECTIONS = HIDDEN * HEAD_DIM * (2 * HEADS + 2 * KV_HEADS)  # q, k, 
 GDN_V_HEADS, GDN_K_HEADS, GDN_DIM, GDN_CHUNK = 4, 2, 8, 64
 
 
-def _gated_deltanet(with_solves: bool = True) -> int:
+def _gated_deltanet(with_solves: bool = True, tp: int = 1) -> int:
     """One Gated DeltaNet layer's MACs per token: projections (qkv, z, a, b, out), the depthwise conv over q, k and
     v, and the chunked delta rule per value head (Yang et al. 2025, section 3.3): K_b K^T and Q K^T within the chunk
     (2 C dk), the two triangular solves (C/2 (dv + dk)), the reads of the chunk's start state (2 dk dv), the
-    intra-chunk product with the new values (C dv), the state update (dk dv)."""
+    intra-chunk product with the new values (C dv), the state update (dk dv). On one of ``tp`` tensor-parallel ranks
+    the mixer runs whole but each projection computes 1/tp of its output columns (then gathered)."""
     key_dim, value_dim = GDN_K_HEADS * GDN_DIM, GDN_V_HEADS * GDN_DIM
     conv_channels = 2 * key_dim + value_dim
     projections = HIDDEN * conv_channels + HIDDEN * value_dim + 2 * HIDDEN * GDN_V_HEADS + value_dim * HIDDEN
     c, d = GDN_CHUNK, GDN_DIM
     solves = c * (d + d) // 2 if with_solves else 0
     core = GDN_V_HEADS * (2 * c * d + solves + 2 * d * d + c * d + d * d)
-    return projections + conv_channels * CONV_KERNEL + core
+    return projections // tp + conv_channels * CONV_KERNEL + core
 
 
-def _qwen3_5_macs(with_solves: bool = True) -> int:
+def _qwen3_5_macs(with_solves: bool = True, tp: int = 1) -> int:
     """The tiny qwen3_5: Gated DeltaNet, full attention (q_proj doubled: Qwen3.5's output gate), Gated DeltaNet;
-    a gated MLP after each."""
+    a gated MLP after each. On one of ``tp`` ranks: 1/tp of the attention heads and of the MLP's columns."""
     gated_attention = ATTENTION_PROJECTIONS + HIDDEN * HEADS * HEAD_DIM
-    return 2 * _gated_deltanet(with_solves) + gated_attention + 3 * (3 * HIDDEN * INTERMEDIATE)
+    return 2 * _gated_deltanet(with_solves, tp) + (gated_attention + 3 * (3 * HIDDEN * INTERMEDIATE)) // tp
 
 
 def _nemotron_h_macs() -> int:
@@ -65,13 +68,14 @@ def _nemotron_h_macs() -> int:
     return mamba + ATTENTION_PROJECTIONS + 2 * HIDDEN * INTERMEDIATE
 
 
-def _lfm2_macs() -> int:
+def _lfm2_macs(tp: int = 1) -> int:
     """The tiny lfm2: short conv, attention, short conv (in_proj to B, C, x; depthwise conv; out_proj), a gated
     MLP after each, whose width LFM2 adjusts (``block_auto_adjust_ff_dim``: 2/3 of ``intermediate_size`` rounded
-    up to ``block_multiple_of`` = 256)."""
-    short_conv = HIDDEN * 3 * HIDDEN + HIDDEN * CONV_KERNEL + HIDDEN * HIDDEN
+    up to ``block_multiple_of`` = 256). On one of ``tp`` ranks: the short convs whole, their projections' output
+    columns, the attention heads and that width divided by tp."""
+    short_conv = (HIDDEN * 3 * HIDDEN + HIDDEN * HIDDEN) // tp + HIDDEN * CONV_KERNEL
     width = 256 * ((2 * INTERMEDIATE // 3 + 255) // 256)
-    return 2 * short_conv + ATTENTION_PROJECTIONS + 3 * (3 * HIDDEN * width)
+    return 2 * short_conv + (ATTENTION_PROJECTIONS + 3 * (3 * HIDDEN * width)) // tp
 
 
 @pytest.mark.parametrize("family,macs,attention_layers",
@@ -161,8 +165,34 @@ def test_the_qwen3_5_preset_is_transformers_default_shape() -> None:
     per_layer = (2 * 16 * 128 + 32 * 128) * 4 * 2 + 32 * 128 * 128 * 4
     assert recurrent_state_bytes(meta_model(config), torch.bfloat16) == 24 * per_layer
     assert tensor_parallel_config(config, 1) is config
-    with pytest.raises(ValueError, match="does not split a hybrid's recurrent layers"):
-        tensor_parallel_config(config, 2)
+    rank = tensor_parallel_config(config, 2)  # Qwen3.5's own plan: attention and MLP split, mixers whole
+    assert recurrent_state_bytes(meta_model(rank), torch.bfloat16) == 24 * per_layer
+    assert ModelShape.from_config(rank, 2).attention_macs_per_pair == shape.attention_macs_per_pair // 2
+
+
+def test_a_hybrid_with_experts_is_refused_under_tensor_parallelism() -> None:
+    """The walk refuses transformers' packed expert styles; the planner names the experts rather than price them
+    whole or split."""
+    with pytest.raises(ValueError, match=r"layers\.1\.mixer\.experts \(NemotronHExperts\) is a mixture of experts.*"
+                                         "Fix: plan it with tensor parallelism 1"):
+        tensor_parallel_config(hybrid_preset_config("nemotron-h-like"), 2)
+
+
+@pytest.mark.parametrize("family,macs", [("qwen3_5", _qwen3_5_macs), ("lfm2", _lfm2_macs)])
+def test_per_rank_flops_under_tensor_parallelism_follow_the_definitions(family, macs) -> None:
+    """One rank of two, as the walk runs it (distributed/tensor_parallel.py): attention heads, the MLP and the
+    head's logits halved; every recurrent mixer whole (its scan, its convolution, its states) with its projections
+    split by output columns. LFM2's derived MLP width (256 here: halving intermediate_size would not halve it) is
+    divided, not its config field."""
+    config = make_model(family).config
+    whole, rank = ModelShape.from_config(config), ModelShape.from_config(tensor_parallel_config(config, 2), 2)
+    assert rank.linear_macs_per_token == macs(tp=2)
+    assert whole.linear_macs_per_token == macs(tp=1)
+    assert rank.recurrent_core_macs == whole.recurrent_core_macs
+    assert rank.attention_macs_per_pair == whole.attention_macs_per_pair // 2
+    assert rank.head_macs_per_position == whole.head_macs_per_position // 2
+    assert recurrent_state_bytes(meta_model(tensor_parallel_config(config, 2)), torch.bfloat16) == \
+        recurrent_state_bytes(meta_model(config), torch.bfloat16)
 
 
 def test_a_hybrid_is_planned(tmp_path, capsys) -> None:
@@ -182,6 +212,34 @@ def test_a_hybrid_is_planned(tmp_path, capsys) -> None:
     assert main(["--model", str(tmp_path), "--workload", "grpo"]) == 0
     out = capsys.readouterr().out
     assert "hybrid: 1 of 3 layers attend" in out and "of recurrent states" in out, out
-    assert main(["--model", str(tmp_path), "--workload", "grpo", "--strategy", "dta_fsdp", "--devices", "2",
-                 "--tensor-parallel", "2"]) == 2
-    assert "does not split a hybrid's recurrent layers" in capsys.readouterr().err
+
+
+
+def test_a_hybrid_is_planned_under_tensor_parallelism(tmp_path, capsys) -> None:
+    """Once refused ("the planner does not split a hybrid's recurrent layers"): one rank of two computes half the
+    attention and the MLP and every recurrent mixer whole (``_qwen3_5_macs(tp=2)``: only its projections' columns
+    split), holds the whole recurrent states on its path but half the keys/values, and the output says so. The
+    step at TP 2 on 2 ranks is the one tree walked at TP 1 on 1 rank (one data-parallel rank either way)."""
+    model = make_model("qwen3_5")
+    model.config.max_position_embeddings = 4096
+    model.config.vocab_size = 512  # the bench workloads draw tokens from a vocabulary of at least 512
+    model.config.save_pretrained(tmp_path)
+    step = ["--model", str(tmp_path), "--workload", "grpo", "--strategy", "dta_fsdp"]
+    assert main([*step, "--devices", "1", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main([*step, "--devices", "2", "--tensor-parallel", "2", "--json"]) == 0
+    rank = json.loads(capsys.readouterr().out)
+    per_node = recurrent_state_bytes(meta_model(model.config), torch.bfloat16)
+    assert whole["hybrid"]["layer_macs_per_token"] == _qwen3_5_macs()
+    assert rank["hybrid"] == {"attention_layers": 1, "layer_macs_per_token": _qwen3_5_macs(tp=2),
+                              "recurrent_core_macs_per_token": whole["hybrid"]["recurrent_core_macs_per_token"],
+                              "state_bytes_per_node": per_node, "recurrent_mixers_per_rank": MIXERS_PER_RANK}
+    tree = dta.PrefixTree.from_rollouts(WORKLOADS["grpo"].generate(512, 0))
+    kv = path_kv_bytes(model.config, tree.stats.max_depth_tokens, torch.bfloat16)  # and as much for its gradient
+    for mode in ("dfs", "dfs-recompute"):
+        states = whole["modes"][mode]["path_buffer_bytes"] - 2 * kv
+        assert states >= 2 * per_node  # a state and its gradient at one chunk end at least
+        assert rank["modes"][mode]["path_buffer_bytes"] == kv + states
+    assert main([*step, "--devices", "2", "--tensor-parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hybrid under tensor parallelism 2: each rank runs every recurrent mixer whole" in out, out
