@@ -3,8 +3,10 @@
 Used for reference-model and proximal/old log-probs, which RL recomputes every step. No graph is kept. Under
 prefix attention the walk packs cousins (:class:`CousinLogprobWalk`, :mod:`~lightning_dta.engine.cousins`): any
 pending chunks, whatever their parents, share one forward of up to ``sibling_batch_tokens`` tokens. Otherwise
-(the model's own attention, or ``sibling_batch_tokens=None``) it batches siblings exactly as the training walk
-does (the same :class:`~lightning_dta.engine.walk.TreeWalk`, the path's keys/values in the same buffers).
+(the model's own attention, ``sibling_batch_tokens=None``, or a hybrid: cousins in one row would share one
+recurrent scan, :attr:`~lightning_dta.engine.model_info.ModelInfo.packs_cousins`) it batches siblings exactly as
+the training walk does (the same :class:`~lightning_dta.engine.walk.TreeWalk`, the path's keys/values and
+recurrent states in the same buffers).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def _forward_only(model: nn.Module, tree: PrefixTree, engine: EngineOptions, val
     info = inspect_model(model, uses_cache=True, prefix_attention=engine.prefix_attention,
                          prefix_attention_backend=engine.prefix_attention_backend)
     check_tree_fits_model(tree, info.vocab_size, info.max_positions)
-    packs_cousins = info.packs_siblings and engine.sibling_batch_tokens is not None
+    packs_cousins = info.packs_cousins and engine.sibling_batch_tokens is not None  # never for hybrids
     with torch.no_grad():
         return (CousinLogprobWalk if packs_cousins else LogprobWalk)(model, info, tree, engine, values).logprobs()
 

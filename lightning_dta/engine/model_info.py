@@ -60,6 +60,17 @@ class ModelInfo:
         return bool(self.prefix_attention_configs)
 
     @property
+    def packs_cousins(self) -> bool:
+        """The forward-only walks pack cousins (pending chunks of any parent in one row, :mod:`.cousins`): under
+        prefix attention, and never with recurrent layers. A packed row would run each recurrent layer's scan and
+        convolution across its chunks, while each chunk must start from its own parent's state: transformers 5.24's
+        PyTorch mixers keep no boundaries inside a row (given ``cu_seq_lens`` the Gated DeltaNet refuses, LFM2's
+        short convolution and Mamba2 ignore them, 0.25 to 1.2 relative error measured; given ``seq_idx`` all
+        refuse without the CUDA kernels), and they start every row from one state. A hybrid's forward-only walk
+        batches siblings instead (they start from one state), as its training walk does."""
+        return self.packs_siblings and not self.recurrent
+
+    @property
     def recurrent(self) -> bool:
         """Some layers hand a recurrent state from chunk to chunk (a hybrid or state-space model)."""
         return is_recurrent(self.layer_kinds)
@@ -202,7 +213,8 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
     if uses_cache and prefix_attention and is_recurrent(kinds):
         raise ModelNotSupportedError(
             f"prefix_attention=True, but {type(model).__name__} has recurrent layers: prefix attention packs sibling "
-            "chunks into one row, and a recurrent layer would run one scan across the siblings. Fix: pass "
+            "chunks (and, in tree_logprobs / tree_values, cousins) into one row, and a recurrent layer would run one "
+            "scan across them, each of which must start from its own parent's state. Fix: pass "
             "prefix_attention=None (the engine then uses the model's own attention over a cache) or "
             "prefix_attention=False.")
     if uses_cache and prefix_attention is not False and not is_recurrent(kinds):

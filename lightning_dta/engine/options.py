@@ -51,7 +51,7 @@ class EngineOptions:
     """dfs and forward-only walks: forward up to this many tokens of sibling chunks together over their shared
     prefix (packed into one row under prefix attention, padded rows otherwise); null forwards each alone. Under
     prefix attention, forward-only walks pack cousins too (pending chunks of any parent, each over its own
-    ancestors)."""
+    ancestors; not for hybrids, whose recurrent layers would run one scan across them)."""
 
     order: Order = "leaves-first"
     """dfs and forward-only walks: "leaves-first" (leaf children first, then subtrees from the smallest; each

@@ -13,6 +13,7 @@ router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import random
 import types
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import lightning_dta as dta
+import lightning_dta.engine.logprobs as logprobs
 from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.recurrent_state import PathStates, StateLayer
@@ -211,8 +213,47 @@ def test_prefix_attention_is_off_and_refused_when_required():
     """Packing siblings into one row would run one scan across them: the engine uses the model's own attention."""
     model = make_model("qwen3_5")
     assert not inspect_model(model, True, None, None).packs_siblings
-    with pytest.raises(dta.ModelNotSupportedError, match="recurrent layer would run one scan across the siblings"):
+    with pytest.raises(dta.ModelNotSupportedError, match="recurrent layer would run one scan across them"):
         inspect_model(model, True, True, None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "mamba2"])
+def test_forward_only_walks_do_not_pack_cousins(family, monkeypatch):
+    """Cousins packed in one row would share one recurrent scan, each starting from its own parent's state, which
+    transformers' PyTorch mixers cannot keep apart (ModelInfo.packs_cousins). A hybrid's tree_logprobs and
+    tree_values batch siblings instead: a 3 x 3 x 2 tree-search step takes the sibling walk's 1 + 1 + 3 + 9 = 14
+    forwards (cousin packing: 4), exact in float64; asking for the packing (prefix_attention=True) is refused with
+    the reason. Even if prefix attention ever served a hybrid's attention layers, cousins would stay apart."""
+    from tests.engine.test_cousins import branching_rollouts
+
+    model = make_model(family)
+    info = inspect_model(model, True, None, None)
+    assert info.recurrent and not info.packs_cousins
+    assert not dataclasses.replace(info, prefix_attention_configs=(model.config,)).packs_cousins
+    # segments of one length: siblings that hand a state on batch together only at equal lengths (walk.py)
+    rollouts = branching_rollouts(random.Random(3), (3, 3, 2), (6, 6))
+    tree = dta.PrefixTree.from_rollouts(rollouts)
+    forwards = {"siblings": 0, "cousins": 0}
+    for name, key in (("forward_batch", "siblings"), ("forward_cousins", "cousins")):
+        original = getattr(logprobs, name)
+
+        def counting(*args, _original=original, _key=key):
+            forwards[_key] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(logprobs, name, counting)
+    got = dta.tree_logprobs(model, tree)  # sibling_batch_tokens=4096: room for every cousin
+    assert forwards == {"siblings": 14, "cousins": 0}
+    with torch.no_grad():
+        for r, logp in zip(rollouts, got):
+            ids = torch.tensor([r.input_ids])
+            expected = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            torch.testing.assert_close(logp, expected.to(logp.dtype), rtol=0, atol=1e-9)
+    for walk in (dta.tree_logprobs, dta.tree_values):
+        with pytest.raises(dta.ModelNotSupportedError, match=r"has recurrent layers: prefix attention packs sibling "
+                           r"chunks \(and, in tree_logprobs / tree_values, cousins\) into one row.*Fix: pass "
+                           "prefix_attention=None"):
+            walk(dta.value_model(model) if walk is dta.tree_values else model, tree, prefix_attention=True)
 
 
 def test_unknown_layer_kind_is_refused_by_name():
