@@ -83,7 +83,7 @@ BUILT_IN_SYNCS = ("vllm", "vllm-nccl", "sglang-disk", "none")
 WEIGHT_TRANSFER_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                           "/finish_weight_update", "/reset_prefix_cache")
 """the POST routes ``"vllm-nccl"`` needs (vLLM 0.32, dev mode: ``vllm/entrypoints/rl/online/api_router.py``)."""
-WEIGHT_TRANSFER_FIX = ("""start the server with --weight-transfer-config '{"backend": "nccl"}' (and """
+WEIGHT_TRANSFER_FIX = ("start the server with --weight-transfer-config '{\"backend\": \"nccl\"}' (and "
                        "VLLM_SERVER_DEV_MODE=1)")
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """the head sizes vLLM's CPU attention takes (0.32: ``CPUAttentionBackend.get_supported_head_sizes``)."""
@@ -146,7 +146,7 @@ class OpenAICompatibleGenerator(Generator):
         self.max_retries, self.retry_backoff_sec = max_retries, retry_backoff_sec
         self.extra_body = dict(extra_body or {})
         self.weight_channel = weight_channel
-        self.transfer: VLLMWeightTransfer | None = None  # "vllm-nccl": made at the first sync, on rank 0
+        self.transfer: VLLMWeightTransfer | None = None  # "vllm-nccl": made at the first sync (attach)
         self.stop_ids: list[int] = list(self.extra_stop_ids)
         self.version = 0
 
