@@ -5,7 +5,9 @@
 #      prefix attention's kernels and of the recurrent mixers' kernels (fla / causal-conv1d / mamba_ssm against the
 #      pure-PyTorch path, initial-state gradients included), the matrix-product rate (90 s at most);
 #   2. the GPU tests (pytest -m gpu: the kernels, exactness in float32 and bfloat16, memory flat in leaves, no host
-#      sync from the first step on; 120 s at most);
+#      sync from the first step on; 120 s at most). Online RL: tests/gpu/test_vllm_nccl.py (weight_sync: vllm-nccl
+#      against a real vLLM GPU server) skips here, with its reason: it needs two GPUs (NCCL refuses two ranks on
+#      one) and LIGHTNING_DTA_VLLM_GPU_PYTHON (a vLLM 0.32 CUDA environment), which this image has not;
 #   3. the bench on Qwen3-0.6B- and Qwen3-1.7B-shaped models (random weights, bf16): GRPO, a multi-turn agent,
 #      tree search, every mode side by side; each workload's rows land in <run>.jsonl as soon as it is measured,
 #      each run's budget comes from its FLOP estimate (printed beside it);

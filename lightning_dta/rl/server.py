@@ -46,7 +46,14 @@ TP, is gathered collectively, every rank writing its shards and rank 0 consolida
   serving stale keys/values. So a ``success`` answer means the cache is gone; no separate ``/flush_cache`` (which
   answers 400 while requests run) is needed.
 
-Any other mechanism (NCCL broadcast, a shared file system) plugs in as a callable ``weight_sync(model, version)``,
+No disk: ``weight_sync="vllm-nccl"`` broadcasts the parameters from rank 0's GPU to a vLLM GPU server's workers over
+NCCL through vLLM 0.32's weight-transfer routes (init once, then per version start / update / finish), and then
+resets the prefix cache as ``"vllm"`` does (:mod:`lightning_dta.rl.vllm_nccl`; never run against a real GPU server
+yet). :meth:`~OpenAICompatibleGenerator.check` refuses, with the fix, a process without CUDA (``weight_sync="vllm"``
+instead), a server without dev mode, one started without ``--weight-transfer-config '{"backend": "nccl"}'``, and a
+CPU server (vLLM's CPU build has no weight transfer).
+
+Any other mechanism (a shared file system, another transport) plugs in as a callable ``weight_sync(model, version)``,
 which must give the same guarantee. With a sharded policy the sync runs on every rank; a callable then also runs
 on every rank.
 """
@@ -69,9 +76,15 @@ from lightning_dta.core.errors import ConfigError, UsageError
 from lightning_dta.distributed.collectives import rank
 from lightning_dta.distributed.sharding import export_hf_checkpoint
 from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
+from lightning_dta.rl.vllm_nccl import NcclChannel, VLLMWeightTransfer, WeightChannel, require_nccl
 
 WeightSync = Callable[[nn.Module, int], None]
-BUILT_IN_SYNCS = ("vllm", "sglang-disk", "none")
+BUILT_IN_SYNCS = ("vllm", "vllm-nccl", "sglang-disk", "none")
+WEIGHT_TRANSFER_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                          "/finish_weight_update", "/reset_prefix_cache")
+"""the POST routes ``"vllm-nccl"`` needs (vLLM 0.32, dev mode: ``vllm/entrypoints/rl/online/api_router.py``)."""
+WEIGHT_TRANSFER_FIX = ("start the server with --weight-transfer-config '{\"backend\": \"nccl\"}' (and "
+                       "VLLM_SERVER_DEV_MODE=1)")
 CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 """the head sizes vLLM's CPU attention takes (0.32: ``CPUAttentionBackend.get_supported_head_sizes``)."""
 DEV_MODE_FIX = "start the server with VLLM_SERVER_DEV_MODE=1 in its environment (README: A real vLLM server)"
@@ -89,10 +102,12 @@ class OpenAICompatibleGenerator(Generator):
         model: the served model name (the request's ``model`` field).
         max_new_tokens, temperature, top_p, top_k: sampling (``top_k=0``: not sent).
         stop_token_ids: stop tokens besides the tokenizer's EOS.
-        weight_sync: ``"vllm"``, ``"sglang-disk"`` (module docstring), a callable ``(model, version) -> None``, or
-            ``"none"`` to keep the server's weights (evaluation only: RL would keep sampling from the initial
-            policy). Required.
+        weight_sync: ``"vllm"``, ``"vllm-nccl"``, ``"sglang-disk"`` (module docstring), a callable ``(model,
+            version) -> None``, or ``"none"`` to keep the server's weights (evaluation only: RL would keep sampling
+            from the initial policy). Required.
         weight_dir: where ``"vllm"`` and ``"sglang-disk"`` write each version (a directory the server can read).
+        weight_channel: with ``"vllm-nccl"``, makes the trainer's end of the group with the server's workers
+            (a :class:`~lightning_dta.rl.vllm_nccl.WeightChannel`; default: NCCL on the current CUDA device).
         timeout: seconds per HTTP request.
         api_key: sent as a bearer token when given.
         max_concurrent_requests: requests (one per prompt) in flight at once.
@@ -108,13 +123,14 @@ class OpenAICompatibleGenerator(Generator):
                  top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
                  weight_sync: str | WeightSync | None = None, weight_dir: str | None = None, timeout: float = 600.0,
                  api_key: str | None = None, max_concurrent_requests: int = 64, max_retries: int = 3,
-                 retry_backoff_sec: float = 1.0, extra_body: dict[str, Any] | None = None) -> None:
+                 retry_backoff_sec: float = 1.0, extra_body: dict[str, Any] | None = None,
+                 weight_channel: Callable[[], WeightChannel] | None = None) -> None:
         if max_new_tokens < 1 or max_concurrent_requests < 1:
             raise ConfigError("max_new_tokens and max_concurrent_requests must be >= 1")
         if max_retries < 0 or retry_backoff_sec < 0:
             raise ConfigError("max_retries and retry_backoff_sec must be >= 0")
         if isinstance(weight_sync, str) and weight_sync not in BUILT_IN_SYNCS:
-            raise ConfigError(f"weight_sync={weight_sync!r}. Fix: 'vllm', 'sglang-disk', 'none' or a "
+            raise ConfigError(f"weight_sync={weight_sync!r}. Fix: 'vllm', 'vllm-nccl', 'sglang-disk', 'none' or a "
                               "callable(model, version)")
         if weight_sync in ("vllm", "sglang-disk") and not weight_dir:
             raise ConfigError(f"weight_sync={weight_sync!r} needs weight_dir. Fix: weight_dir, a directory the server "
@@ -129,6 +145,8 @@ class OpenAICompatibleGenerator(Generator):
         self.max_concurrent_requests = max_concurrent_requests
         self.max_retries, self.retry_backoff_sec = max_retries, retry_backoff_sec
         self.extra_body = dict(extra_body or {})
+        self.weight_channel = weight_channel
+        self.transfer: VLLMWeightTransfer | None = None  # "vllm-nccl": made at the first sync (attach)
         self.stop_ids: list[int] = list(self.extra_stop_ids)
         self.version = 0
 
@@ -140,7 +158,8 @@ class OpenAICompatibleGenerator(Generator):
         if self.weight_sync is None:
             raise ConfigError("OpenAICompatibleGenerator has no weight_sync: the server would keep sampling from its "
                              "initial weights while the policy trains. Fix: weight_sync='vllm' or 'sglang-disk' (with "
-                             "weight_dir), a callable(model, version) that updates your server, or 'none' on purpose")
+                             "weight_dir), 'vllm-nccl', a callable(model, version) that updates your server, or "
+                             "'none' on purpose")
         self.stop_ids = list(dict.fromkeys(([] if eos_token_id is None else [eos_token_id]) + self.extra_stop_ids))
         if not self.stop_ids:
             raise ConfigError("no stop token: the tokenizer has no eos_token_id and no stop_token_ids were given")
@@ -148,24 +167,37 @@ class OpenAICompatibleGenerator(Generator):
         self.update_weights(policy, self.version)
 
     def check(self, policy: nn.Module) -> None:
-        """With ``weight_sync="vllm"``, refuse (from rank 0) with the server setting to change a vLLM server that
-        cannot work: unreachable, serving another model name, without the dev-mode endpoints, or on the CPU with a
-        head size its attention refuses (such a server answers /health and dies at the first request)."""
-        if self.weight_sync != "vllm" or rank() != 0:
+        """With ``weight_sync="vllm"`` or ``"vllm-nccl"``, refuse (from rank 0) with the setting to change a set-up
+        that cannot work: unreachable, serving another model name, without the dev-mode endpoints, on the CPU with
+        a head size its attention refuses (such a server answers /health and dies at the first request); for
+        ``"vllm-nccl"`` also no CUDA here, a server started without the NCCL weight transfer, or a CPU server."""
+        if self.weight_sync not in ("vllm", "vllm-nccl") or rank() != 0:
             return
+        nccl = self.weight_sync == "vllm-nccl"
+        if nccl and self.weight_channel is None:
+            require_nccl()
         models = self._get("/v1/models")
         served = [m.get("id") for m in models.get("data", [])] if isinstance(models, dict) else []
         if self.model_name not in served:
             raise ServerError(f"the server at {self.base_url} serves {served}, not model={self.model_name!r}. Fix: "
                               f"model: {served[0] if served else 'its --served-model-name'}")
-        for path in ("/collective_rpc", "/reset_prefix_cache"):
+        for path in WEIGHT_TRANSFER_ROUTES if nccl else ("/collective_rpc", "/reset_prefix_cache"):
             if self._status(path) == 404:  # a POST route answers a GET with 405: the route exists
-                raise ServerError(f"weight_sync='vllm' needs the server's {path} (POST), and the server at "
-                                  f"{self.base_url} has none (HTTP 404): it runs without vLLM's dev mode. Fix: "
+                raise ServerError(f"weight_sync={self.weight_sync!r} needs the server's {path} (POST), and the server "
+                                  f"at {self.base_url} has none (HTTP 404): it runs without vLLM's dev mode. Fix: "
                                   f"{DEV_MODE_FIX}")
         info = self._get("/server_info?config_format=json")
         vllm_config = info.get("vllm_config") if isinstance(info, dict) else None
-        device = ((vllm_config if isinstance(vllm_config, dict) else {}).get("device_config") or {}).get("device")
+        vllm_config = vllm_config if isinstance(vllm_config, dict) else {}
+        device = (vllm_config.get("device_config") or {}).get("device")
+        if nccl and device == "cpu":
+            raise ServerError(f"the server at {self.base_url} runs vLLM's CPU build, whose weight transfer has no CPU "
+                              "path (NCCL or CUDA IPC only). Fix: weight_sync='vllm'")
+        transfer = vllm_config.get("weight_transfer_config")
+        if nccl and (transfer or {}).get("backend") != "nccl":
+            raise ServerError(f"weight_sync='vllm-nccl' needs the server's NCCL weight transfer, and the server at "
+                              f"{self.base_url} has weight_transfer_config {transfer} (every transfer call would "
+                              f"fail). Fix: {WEIGHT_TRANSFER_FIX}")
         # a user's model: a transformers config's fields when it has one (head_dim is an optional field)
         config = getattr(policy, "config", None)
         heads = getattr(config, "num_attention_heads", None)  # a user's model config
@@ -179,6 +211,15 @@ class OpenAICompatibleGenerator(Generator):
     def update_weights(self, policy: nn.Module, version: int) -> None:
         if callable(self.weight_sync):
             self.weight_sync(policy, version)
+        elif self.weight_sync == "vllm-nccl":
+            if self.transfer is None:  # once, at attach: join the server's workers' group
+                self.transfer = VLLMWeightTransfer(self._post_once, self._get, self.weight_channel or NcclChannel,
+                                                   self.timeout)
+                if rank() == 0:
+                    self.transfer.connect()
+            self.transfer.send(policy, version)  # every rank that syncs: a sharded policy is gathered collectively
+            if rank() == 0:
+                self.reset_prefix_cache(version)
         elif self.weight_sync in ("vllm", "sglang-disk"):
             path = (Path(self.weight_dir) / f"version_{version}").resolve()  # the server has another working dir
             with quiet_progress_bars():  # transformers' "Writing model shards" bar, once a step, says nothing
@@ -273,6 +314,10 @@ class OpenAICompatibleGenerator(Generator):
         """POST ``body`` as JSON, retrying transient failures with exponential backoff (module docstring)."""
         return self._request("POST", path, body)
 
+    def _post_once(self, path: str, body: dict[str, Any]) -> Any:
+        """POST without retries: for calls a retry would repeat half-done (a weight transfer's)."""
+        return self._request("POST", path, body, retries=0)
+
     def _get(self, path: str) -> Any:
         """GET ``path``'s JSON, retried as :meth:`_post` is."""
         return self._request("GET", path, None)
@@ -287,18 +332,19 @@ class OpenAICompatibleGenerator(Generator):
             raise
         return 200
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None) -> Any:
-        for attempt in range(self.max_retries + 1):
+    def _request(self, method: str, path: str, body: dict[str, Any] | None, retries: int | None = None) -> Any:
+        retries = self.max_retries if retries is None else retries
+        for attempt in range(retries + 1):
             try:
                 return self._request_once(method, path, body)
             except _Transient as error:
-                if attempt == self.max_retries:
+                if attempt == retries:
                     what, fix = str(error), ""
                     if " Fix: " in what:  # the message ends with its fix
                         what, fix = what.split(" Fix: ", 1)
                         fix = f" Fix: {fix}"
-                    raise ServerError(f"{what.rstrip('.')} (gave up after {attempt + 1} attempts; max_retries="
-                                      f"{self.max_retries}).{fix}") from error.__cause__
+                    tries = f"gave up after {attempt + 1} attempts; max_retries={retries}" if retries else "not retried"
+                    raise ServerError(f"{what.rstrip('.')} ({tries}).{fix}") from error.__cause__
                 time.sleep(self.retry_backoff_sec * 2**attempt)
         raise AssertionError("unreachable")
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,13 +48,16 @@ def write_model(config: Path, out: Path) -> Path:
     return out
 
 
-def start(model_dir: Path, log: Path, timeout: float = 300.0) -> VLLMServer:
+def start(model_dir: Path, log: Path, timeout: float = 300.0, command: Callable[[int], list[str]] | None = None,
+          env: dict[str, str] | None = None) -> VLLMServer:
     """Start the server on a free port and wait for ``/health`` (at most ``timeout`` s; a server that exits first
-    fails at once with its log)."""
+    fails at once with its log). ``command(port)``: another server's command line (default: the CPU server's
+    script), run with ``env`` added to this environment."""
     port = free_port()
-    command = ["bash", str(REPO / "scripts" / "serve_vllm.sh"), str(model_dir), str(port)]
+    argv = command(port) if command else ["bash", str(REPO / "scripts" / "serve_vllm.sh"), str(model_dir), str(port)]
     with open(log, "wb") as out:
-        process = subprocess.Popen(command, cwd=model_dir.parent, stdout=out, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(argv, cwd=model_dir.parent, stdout=out, stderr=subprocess.STDOUT,
+                                   env=os.environ | (env or {}),
                                    start_new_session=True)  # its own process group: stop() ends all of it
     server = VLLMServer(f"http://127.0.0.1:{port}", process, log, model_dir)
     deadline = time.monotonic() + timeout
