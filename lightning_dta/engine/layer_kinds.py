@@ -1,12 +1,13 @@
 """What each kind of decoder layer hands from one chunk to the next: the engine's one declaration per layer kind.
 
 A chunk continues from the state of the path at its start. For an attention layer that state is the keys/values of
-every earlier position; for a recurrent layer (Gated DeltaNet, Mamba2, a short convolution) it is a fixed-size state
-at the path's last position: the convolution window and, for the scan mixers, the recurrent (SSM / delta-rule)
-state. transformers names the kinds in ``config.layer_types`` and its mixers read and write their states through
-``Cache.get_conv_state`` / ``get_recurrent_state`` / ``update_conv_state`` / ``update_recurrent_state``, whatever
-the model family; so the engine declares what each *kind* carries (as vLLM's ``MambaBase.get_state_shape`` does per
-mixer kind), never what a family does, and refuses a kind it does not know by name rather than walk it wrongly.
+every earlier position; for a recurrent layer (Gated DeltaNet, Kimi Delta Attention, Mamba2, a short convolution) it
+is a fixed-size state at the path's last position: the convolution window and, for the scan mixers, the recurrent (SSM
+/ delta-rule) state. transformers names the kinds in ``config.layer_types`` and its mixers read and write their states
+through ``Cache.get_conv_state`` / ``get_recurrent_state`` / ``update_conv_state`` / ``update_recurrent_state``,
+whatever the model family; so the engine declares what each *kind* carries (as vLLM's ``MambaBase.get_state_shape``
+does per mixer kind), never what a family does, and refuses a kind it does not know by name rather than walk it
+wrongly.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ LAYER_KINDS: dict[str, LayerKind] = {
     "full_attention": ATTENTION,
     "sliding_attention": ATTENTION,  # the path holds every position; the model's own mask applies the window
     "chunked_attention": ATTENTION,
-    "linear_attention": LayerKind(keys_values=False, states=("conv", "recurrent")),  # Gated DeltaNet, Mamba2
+    "linear_attention": LayerKind(keys_values=False, states=("conv", "recurrent")),  # Gated DeltaNet, KDA, Mamba2
     "conv": LayerKind(keys_values=False, states=("conv",)),  # short convolutions (LFM2)
     "mlp": LayerKind(keys_values=False),  # layers without a mixer (Nemotron-H's MLP and MoE blocks)
     "moe": LayerKind(keys_values=False),
@@ -44,9 +45,11 @@ LAYER_KINDS: dict[str, LayerKind] = {
 # The recurrent mixers the engine walks, by the end of their class name, with their kind. One entry per mixer kind
 # where the class names share a suffix (Qwen3.5's, Qwen3-Next's and OLMo-hybrid's ``...GatedDeltaNet``, the
 # ``...ShortConv`` of LFM2 and LFM2-MoE, the ``...Mamba2Mixer`` of Mamba2 and Nemotron-H), and the Mamba2 mixers
-# that transformers names otherwise (Bamba's, Granite-4 hybrid's: the same code). Each reads its states through the
-# cache contract, continues a chunk of any length from them (its one-token decode paths write a state in place, which
-# the engine's cache layer turns into a recorded update) and hands its new states back through ``update_*_state``.
+# that transformers names otherwise (Bamba's, Granite-4 hybrid's: the same code), and Kimi Linear's Kimi Delta
+# Attention (a Gated DeltaNet with a decay per channel: one convolution over q, k and v, a delta-rule state per head,
+# ``chunk_kimi_delta_attention(..., initial_state=...)``). Each reads its states through the cache contract,
+# continues a chunk of any length from them (its one-token decode paths write a state in place, which the engine's
+# cache layer turns into a recorded update) and hands its new states back through ``update_*_state``.
 # A mixer not listed is refused by name.
 MIXER_KINDS: dict[str, str] = {
     "GatedDeltaNet": "Gated DeltaNet",
@@ -54,6 +57,7 @@ MIXER_KINDS: dict[str, str] = {
     "Mamba2Mixer": "Mamba2",
     "BambaMixer": "Mamba2",
     "GraniteMoeHybridMambaLayer": "Mamba2",
+    "KimiLinearDeltaAttention": "Kimi Delta Attention",
 }
 
 

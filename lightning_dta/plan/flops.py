@@ -23,6 +23,14 @@ from lightning_dta.plan.mixers import (
 )
 
 
+def _latent_pair_macs(text) -> int | None:
+    """q.k and p.v per head for one pair in multi-head latent attention, whose keys (``qk_head_dim``) and values
+    (``v_head_dim``) are not ``head_dim`` wide; ``None`` for other attention."""
+    # optional config fields: only multi-head latent attention families have them
+    key_dim, value_dim = getattr(text, "qk_head_dim", None), getattr(text, "v_head_dim", None)
+    return key_dim + value_dim if key_dim and value_dim else None
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes that FLOPs and the key/value buffers depend on (grouped-query attention included)."""
@@ -39,6 +47,9 @@ class ModelShape:
     attention_layers: int | None = None
     layer_macs: int | None = None  # all decoder layers' multiply-accumulates per token
     recurrent_core_macs: int = 0  # of which the recurrent cores (the chunked scans)
+    # q.k and p.v per head for one pair where keys and values have other dims than ``head_dim`` (multi-head latent
+    # attention: DeepSeek-V2/V3, Kimi Linear; ``qk_head_dim`` and ``v_head_dim``); ``None``: ``2 * head_dim``
+    pair_macs_per_head: int | None = None
 
     @classmethod
     def from_config(cls, config, tensor_parallel: int = 1) -> ModelShape:
@@ -54,7 +65,8 @@ class ModelShape:
                    kv_heads=getattr(text, "num_key_value_heads", None) or heads,
                    # optional config fields: not every model family has them
                    head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-                   intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=tensor_parallel)
+                   intermediate=text.intermediate_size, vocab=text.vocab_size, vocab_shards=tensor_parallel,
+                   pair_macs_per_head=_latent_pair_macs(text))
 
     @classmethod
     def _hybrid(cls, config, text, tensor_parallel: int) -> ModelShape:
@@ -72,7 +84,7 @@ class ModelShape:
                    # optional config field: not every model family has it
                    intermediate=getattr(text, "intermediate_size", None) or 0, vocab=text.vocab_size,
                    vocab_shards=tensor_parallel, attention_layers=attention_layers(config), layer_macs=layer_macs,
-                   recurrent_core_macs=cores)
+                   recurrent_core_macs=cores, pair_macs_per_head=_latent_pair_macs(text))
 
     @property
     def linear_macs_per_token(self) -> int:
@@ -87,7 +99,8 @@ class ModelShape:
     def attention_macs_per_pair(self) -> int:
         """q.k and p.v of every head of every attention layer for one (query, key) pair."""
         layers = self.layers if self.attention_layers is None else self.attention_layers
-        return layers * 2 * self.heads * self.head_dim
+        per_head = 2 * self.head_dim if self.pair_macs_per_head is None else self.pair_macs_per_head
+        return layers * self.heads * per_head
 
     @property
     def head_macs_per_position(self) -> int:

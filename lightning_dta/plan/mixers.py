@@ -1,7 +1,7 @@
 """What a hybrid's layers cost: multiply-accumulates per token of every decoder layer, and the fixed-size state
 each recurrent layer hands from a node to its children.
 
-A hybrid's layers differ by kind (Gated DeltaNet, Mamba2 or a short convolution instead of attention; an MLP, a
+A hybrid's layers differ by kind (Gated DeltaNet, KDA, Mamba2 or a short convolution instead of attention; an MLP, a
 mixture of experts or nothing after it), so the costs are read off the layers themselves, built on the meta device
 (no memory, no weights): every ``nn.Linear`` costs ``in x out`` per token, a ``Conv1d`` its weight's size per output
 position (a depthwise convolution: channels x kernel), a mixture of experts its experts' weights times the share of
@@ -11,7 +11,8 @@ experts a token visits (``num_experts_per_tok / num_experts``). What no layer's 
 
 The state per recurrent layer is what :mod:`~lightning_dta.engine.recurrent_state` stores at a chunk's end: the
 convolution window ``[channels, kernel]`` in the model's dtype and, for the scan mixers, the scan's state in float32
-(transformers' Gated DeltaNet and Mamba2 cores compute and return it in float32 whatever the model's dtype).
+(transformers' Gated DeltaNet, Kimi Delta Attention and Mamba2 cores compute and return it in float32 whatever the
+model's dtype).
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from transformers import AutoModelForCausalLM
 
 from lightning_dta.engine.layer_kinds import ATTENTION, LAYER_KINDS, MIXER_KINDS, model_layer_kinds
 
-GATED_DELTANET_CHUNK = 64  # the chunk of transformers' torch_chunk_gated_delta_rule and fla's chunk_gated_delta_rule
+# the chunk of transformers' torch_chunk_gated_delta_rule / chunk_kimi_delta_attention and of fla's kernels
+DELTA_RULE_CHUNK = 64
+DELTA_RULE_KINDS = ("Gated DeltaNet", "Kimi Delta Attention")
+PRICED_KINDS = (*DELTA_RULE_KINDS, "Mamba2", "short convolution")  # the mixer kinds whose core and state are priced
 SCAN_STATE_DTYPE = torch.float32
 
 
@@ -44,10 +48,9 @@ def mixer_kind(module: nn.Module) -> str | None:
         return None
     name = type(module).__name__
     kind = next((kind for suffix, kind in MIXER_KINDS.items() if name.endswith(suffix)), None)
-    if kind is None:
+    if kind not in PRICED_KINDS:  # a kind the engine walks but the planner does not price would cost nothing
         raise UnpricedModelError(f"recurrent mixer {name} is of a kind the planner does not price (it prices "
-                                 f"{sorted(set(MIXER_KINDS.values()))}). Fix: plan an attention-only model of the "
-                                 "same size")
+                                 f"{sorted(PRICED_KINDS)}). Fix: plan an attention-only model of the same size")
     return kind
 
 
@@ -68,15 +71,26 @@ def core_macs_per_token(mixer: nn.Module, kind: str) -> int:
     chunk's state ``B^T X`` (``H N P``) and the output from the chunk's start state ``C h`` (``H N P``). The passing
     of states between chunks (``H N P`` per chunk, ``1/Q`` of a state term) is left out.
 
+    Kimi Delta Attention (Kimi Linear) is the same chunked delta rule with a decay per channel instead of per head
+    (elementwise, not counted), ``dk = dv`` = its head dim, chunk 64 (``chunk_kimi_delta_attention``).
+
     A short convolution (LFM2) has no core: its gates are elementwise, its convolution is counted from its weight."""
-    if kind == "Gated DeltaNet":
-        dk, dv, chunk = mixer.head_k_dim, mixer.head_v_dim, GATED_DELTANET_CHUNK
+    if kind in DELTA_RULE_KINDS:
+        heads, dk, dv = _delta_rule_heads(mixer, kind)
+        chunk = DELTA_RULE_CHUNK
         per_head = 2 * chunk * dk + chunk * (dv + dk) // 2 + 2 * dk * dv + chunk * dv + dk * dv
-        return mixer.num_v_heads * per_head
+        return heads * per_head
     if kind == "Mamba2":
         heads, dim, state, chunk = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.chunk_size
         return mixer.n_groups * chunk * state + heads * chunk * dim + 2 * heads * state * dim
     return 0
+
+
+def _delta_rule_heads(mixer: nn.Module, kind: str) -> tuple[int, int, int]:
+    """A delta-rule mixer's heads and their key and value dims (Gated DeltaNet: per value head; KDA: one dim)."""
+    if kind == "Gated DeltaNet":
+        return mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+    return mixer.num_heads, mixer.head_dim, mixer.head_dim
 
 
 def _convolution(mixer: nn.Module) -> nn.Conv1d:
@@ -147,8 +161,9 @@ def recurrent_state_bytes(model: nn.Module, dtype: torch.dtype) -> int:
             continue
         conv = _convolution(module)
         total += conv.weight.shape[0] * conv.kernel_size[0] * element
-        if kind == "Gated DeltaNet":
-            scan = module.num_v_heads * module.head_k_dim * module.head_v_dim
+        if kind in DELTA_RULE_KINDS:
+            heads, dk, dv = _delta_rule_heads(module, kind)
+            scan = heads * dk * dv
         elif kind == "Mamba2":
             scan = module.num_heads * module.head_dim * module.ssm_state_size
         else:

@@ -14,6 +14,7 @@ router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import random
 import types
@@ -26,14 +27,15 @@ import lightning_dta.engine.logprobs as logprobs
 from lightning_dta.engine.layer_kinds import LAYER_KINDS
 from lightning_dta.engine.model_info import inspect_model
 from lightning_dta.engine.recurrent_state import PathStates, StateLayer
-from tests.helpers.models import CONV_KERNEL, make_model, make_rollout, random_tree_rollouts
+from tests.helpers.models import CONV_KERNEL, SCAN_CHUNK, make_model, make_rollout, random_tree_rollouts
 from tests.helpers.reference import assert_grads_close, engine_grads, reference_grads, reference_value_loss
 
 RTOL64 = 1e-5
 WALKED = ["qwen3_5", "qwen3_next", "olmo_hybrid", "lfm2", "lfm2_moe", "mamba2", "nemotron_h", "bamba",
-          "granitemoehybrid"]
+          "granitemoehybrid", "kimi_linear"]
 # the modeling modules whose recurrent cores cast to float32 (the short convolutions of LFM2 do not)
-SCAN_MODULES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "mamba2", "nemotron_h", "bamba", "granitemoehybrid"]
+SCAN_MODULES = ["qwen3_5", "qwen3_next", "olmo_hybrid", "mamba2", "nemotron_h", "bamba", "granitemoehybrid",
+                "kimi_linear"]
 
 CONFIGS = {
     "keep-unbatched": dict(mode="dfs", sibling_batch_tokens=None),
@@ -89,7 +91,8 @@ def tree_rollouts(seed: int = 1) -> list[dta.Rollout]:
     return rollouts
 
 
-SCANS = ["qwen3_5", "mamba2"]  # one model per scan kind (Gated DeltaNet, Mamba2) for the rest of the matrix
+# one model per scan kind (Gated DeltaNet, Mamba2, Kimi Delta Attention) for the rest of the matrix
+SCANS = ["qwen3_5", "mamba2", "kimi_linear"]
 MATRIX = [(family, name) for name in CONFIGS for family in
           (WALKED if name in ("keep-batched", "keep-chunk1", "recompute-chunk2") else SCANS)]
 
@@ -106,6 +109,26 @@ def test_gradients_match_per_rollout_training(family, config_name):
                  if getattr(m, "layer_type", None) in ("linear_attention", "conv") for p, _ in m.named_parameters()]
     assert recurrent and all(float(ref[n].norm()) > 0 for n in recurrent), "the recurrent layers must be trained"
     assert_grads_close(got, ref, RTOL64, what=f"{family} {config_name}")
+
+
+@pytest.mark.parametrize("config_name", ["keep-unbatched", "recompute-chunk3-batched"])
+def test_kimi_delta_attention_across_its_scan_chunks(monkeypatch, config_name):
+    """Kimi Delta Attention scans in chunks of 64 tokens (not a config field), longer than every test rollout: here
+    in chunks of 8, so that one forward crosses several and its state passes from scan chunk to scan chunk after
+    starting from the handed one."""
+    from transformers.models.kimi_linear import modeling_kimi_linear
+
+    scan = modeling_kimi_linear.chunk_kimi_delta_attention
+    monkeypatch.setattr(modeling_kimi_linear, "chunk_kimi_delta_attention",
+                        functools.partial(scan, chunk_size=SCAN_CHUNK))
+    model = make_model("kimi_linear")
+    rollouts = tree_rollouts()
+    assert max(len(r) for r in rollouts) > 2 * SCAN_CHUNK
+    loss_fn = dta.PolicyLoss(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1)
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **CONFIGS[config_name])
+    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
+    assert_grads_close(got, ref, RTOL64, what=f"kimi_linear scan chunk {SCAN_CHUNK} {config_name}")
 
 
 @pytest.mark.parametrize("family", SCANS)
@@ -349,11 +372,10 @@ TINY = dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_laye
 
 
 @pytest.mark.parametrize("family,layout,named", [
-    ("kimi_linear", dict(layer_types=["linear_attention", "full_attention"]), "mixer KimiLinearDeltaAttention"),
     ("falcon_h1", {}, r"layers of type \['hybrid'\]"),  # attention and Mamba2 in parallel in each layer
     ("zamba2", dict(layers_block_type=["mamba", "hybrid"]), r"layers of type \['hybrid'\]"),  # a shared block
     ("jamba", {}, "found 0 mixer modules"),  # its Mamba (1) mixer carries no layer_type
-], ids=["kimi_linear", "falcon_h1", "zamba2", "jamba"])
+], ids=["falcon_h1", "zamba2", "jamba"])
 def test_families_the_engine_does_not_walk_are_refused(family, layout, named):
     """transformers' other hybrids, each refused by what the engine does not know, before anything is trained."""
     import inspect

@@ -142,9 +142,10 @@ OBJECTIVE_CONFIGS = {
 }
 
 
-# Hybrid and state-space families: recurrent layers (Gated DeltaNet, short convolutions, Mamba2) next to attention.
+# Hybrid and state-space families: recurrent layers (Gated DeltaNet, Kimi Delta Attention, short convolutions, Mamba2)
+# next to attention.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "mamba2", "nemotron_h", "olmo_hybrid", "lfm2_moe", "bamba",
-                   "granitemoehybrid")
+                   "granitemoehybrid", "kimi_linear")
 CONV_KERNEL = 4  # the recurrent layers' convolution kernel: chunks of 1-3 tokens are shorter than its window
 SCAN_CHUNK = 8  # Mamba2's scan chunk: rollouts of up to ~30 tokens cross several
 
@@ -156,6 +157,8 @@ def make_hybrid(family: str) -> torch.nn.Module:
         BambaForCausalLM,
         GraniteMoeHybridConfig,
         GraniteMoeHybridForCausalLM,
+        KimiLinearConfig,
+        KimiLinearForCausalLM,
         Lfm2Config,
         Lfm2ForCausalLM,
         Lfm2MoeConfig,
@@ -213,6 +216,15 @@ def make_hybrid(family: str) -> torch.nn.Module:
         model = GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(
             num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
             shared_intermediate_size=32, **granite_mamba))
+        model.set_experts_implementation("eager")
+        return model
+    if family == "kimi_linear":  # KDA, then MLA attention (one key/value head per query head) with an MoE block
+        model = KimiLinearForCausalLM(KimiLinearConfig(
+            layer_types=["linear_attention", "full_attention"], num_hidden_layers=2,
+            intermediate_size=64, moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+            v_head_dim=8, linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=CONV_KERNEL,
+            max_position_embeddings=MAX_POS, pad_token_id=0, bos_token_id=0, eos_token_id=0, **common))
         model.set_experts_implementation("eager")
         return model
     mamba = dict(n_groups=1, conv_kernel=CONV_KERNEL, chunk_size=SCAN_CHUNK, expand=2)

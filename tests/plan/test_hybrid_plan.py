@@ -78,16 +78,38 @@ def _lfm2_macs(tp: int = 1) -> int:
     return 2 * short_conv + (ATTENTION_PROJECTIONS + 3 * (3 * HIDDEN * width)) // tp
 
 
-@pytest.mark.parametrize("family,macs,attention_layers",
-                         [("qwen3_5", _qwen3_5_macs(), 1), ("nemotron_h", _nemotron_h_macs(), 1),
-                          ("lfm2", _lfm2_macs(), 1), ("mamba2", None, 0)])
-def test_flops_per_layer_kind_follow_the_definitions(family, macs, attention_layers) -> None:
+def _kimi_linear_macs() -> int:
+    """The tiny kimi_linear: Kimi Delta Attention and a gated MLP, then MLA attention and a mixture of experts.
+    KDA: q, k, v projections, the depthwise conv over them, the forget gate (f_a, f_b), b, the output gate (g_a,
+    g_b), out; its core is the Gated DeltaNet's chunked delta rule (the decay per channel is elementwise) with
+    ``dk = dv`` = 8 on 4 heads. MLA (no q LoRA): q to 4 heads of 8 + 8 (no-position and rotary parts), the
+    compressed keys/values (16) and the shared rotary key (8), their expansion to 4 heads of 8 + 8 (keys' no-position
+    part, values), o. The experts: 2 of 4 visited, each a gated MLP of width 32, and a shared one of width 32."""
+    heads, dim, latent, rope, experts_width = 4, 8, 16, 8, 32
+    width = heads * dim
+    c = GDN_CHUNK
+    core = heads * (2 * c * dim + c * (dim + dim) // 2 + 2 * dim * dim + c * dim + dim * dim)
+    kda = (3 * HIDDEN * width + 3 * width * CONV_KERNEL + (HIDDEN * dim + dim * width) + HIDDEN * heads
+           + (HIDDEN * dim + dim * width) + width * HIDDEN + core)
+    mla = (HIDDEN * heads * (dim + rope) + HIDDEN * (latent + rope) + latent * heads * (dim + dim)
+           + heads * dim * HIDDEN)
+    moe = 2 * (3 * HIDDEN * experts_width) + 3 * HIDDEN * experts_width
+    return kda + 3 * HIDDEN * INTERMEDIATE + mla + moe
+
+
+@pytest.mark.parametrize("family,macs,attention_layers,pair_per_head",
+                         [("qwen3_5", _qwen3_5_macs(), 1, 2 * HEAD_DIM),
+                          ("nemotron_h", _nemotron_h_macs(), 1, 2 * HEAD_DIM),
+                          ("lfm2", _lfm2_macs(), 1, 2 * HEAD_DIM), ("mamba2", None, 0, 2 * HEAD_DIM),
+                          # MLA: q.k over the keys' 8 + 8 dims, p.v over the values' 8
+                          ("kimi_linear", _kimi_linear_macs(), 1, 16 + 8)])
+def test_flops_per_layer_kind_follow_the_definitions(family, macs, attention_layers, pair_per_head) -> None:
     config = make_model(family).config
     shape = ModelShape.from_config(config)
     if macs is not None:
         assert shape.linear_macs_per_token == macs
     assert shape.attention_layers == attention_layers
-    assert shape.attention_macs_per_pair == attention_layers * 2 * HEADS * HEAD_DIM
+    assert shape.attention_macs_per_pair == attention_layers * HEADS * pair_per_head
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
@@ -136,7 +158,7 @@ class _HeldStates:
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_5", torch.bfloat16), ("nemotron_h", torch.float32),
-                                          ("lfm2", torch.bfloat16)])
+                                          ("lfm2", torch.bfloat16), ("kimi_linear", torch.bfloat16)])
 @pytest.mark.parametrize("options", [dict(sibling_batch_tokens=None), dict(activation="recompute", chunk_size=3)],
                          ids=["keep-unbatched", "recompute-chunk3"])
 def test_state_bytes_on_the_path_are_what_the_engine_holds(monkeypatch, family, dtype, options) -> None:
