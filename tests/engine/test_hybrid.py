@@ -5,10 +5,12 @@ the parent's backward.
 References are per-rollout training (tests/helpers/reference.py). transformers runs the recurrent cores in float32
 even in float64 models (the Gated DeltaNet kernels cast to ``torch.float32``, Mamba2's scan calls ``.float()``, and
 Mamba2's head returns float32 logits), and splitting one scan at other points moves the tiny ``A_log`` /
-``dt_bias`` gradients by ~1e-5 of their own norm (measured: 7e-6 to 1.8e-5 for Gated DeltaNet, 2e-6 for Mamba2);
+``dt_bias`` gradients by ~1e-5 of their own norm (measured: 7e-6 to 1.8e-5 for Gated DeltaNet, 2e-6 for Mamba2,
+1.7e-5 to 1.9e-5 for Kimi Delta Attention, whose cache also keeps the handed state in float32);
 :func:`float64_recurrent_cores` runs them in float64 for both sides, so the comparison keeps the float64 tolerance
-of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 8e-8 for Qwen3-Next, whose MoE
-router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a module left as it is).
+of the other exactness tests (1e-5; measured 2e-15 to 2e-13 for the scan families, 6e-14 to 9e-14 for Kimi Linear,
+8e-8 for Qwen3-Next, whose MoE router casts to ``torch.float``, 2e-7 for LFM2, whose norms cast to float32 in a
+module left as it is).
 """
 
 from __future__ import annotations
