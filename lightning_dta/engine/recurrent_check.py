@@ -9,14 +9,15 @@ node's end state to its children and needs the gradient their backward sends to 
 that drops it (or mishandles the final state's gradient) still returns outputs of the right shape and trains the
 parent's recurrent layers on part of their gradient, silently.
 
-So once per (mixer class, device, dtype), at the first walk of a hybrid on CUDA, one mixer of each class runs one
-chunk from a state (the state a first chunk left, as in the walk) through the model's path and through the
-pure-PyTorch path, and their outputs, final states and the gradients of both w.r.t. the chunk's input, its initial
-states and the mixer's parameters are compared. A difference beyond the dtype's tolerance, or a kernel that
-raises, is a verdict: reported with the measured figure, and every kernel function of that mixer's modeling module
-is replaced by its pure-PyTorch function for the rest of the process (exact, slower; HF generation in the same
-process then runs it too). An error of the check itself (out of memory, or the pure-PyTorch side raising) is no
-verdict: it warns, nothing falls back, and the check runs again at the next walk.
+So once per (mixer class, device, dtype), at the first walk of a hybrid on CUDA, one mixer of each class runs a chunk
+of several tokens and a chunk of one (the decode kernels a node of one token runs) from a state (the state a first
+chunk left, as in the walk) through the model's path and through the pure-PyTorch path, and their outputs, final
+states and the gradients of both w.r.t. the chunk's input, its initial states and the mixer's parameters are compared.
+A difference beyond the dtype's tolerance, or a kernel that raises, is a verdict: reported with the measured figure,
+and every kernel function of that mixer's modeling module is replaced by its pure-PyTorch function for the rest of the
+process (exact, slower; HF generation in the same process then runs it too). An error of the check itself (out of
+memory, or the pure-PyTorch side raising) is no verdict: it warns, nothing falls back, and the check runs again at the
+next walk.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ from lightning_dta.engine.recurrent_state import StateLayer
 # orders (and Triton kernels may take TF32 dot products in float32); a dropped initial-state gradient is 1.0 (zeros
 # against the true gradient), a gradient sent to the wrong head or position O(1).
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 5e-2}
-FIRST, SECOND = 11, 29  # the first chunk's tokens (it leaves the state), then the checked chunk's
+FIRST = 11  # the first chunk's tokens: it leaves the state the checked chunks start from
+# The checked chunks, by the prefix of their figures' names: one of several tokens, and one of a single token, which
+# the mixers run through their decode kernels (fla's fused_recurrent_*, causal-conv1d's update: a node of one token)
+CHECKED_CHUNKS = {"": 29, "one-token ": 1}
 
 
 class RecurrentKernelWarning(RuntimeWarning):
@@ -183,10 +187,10 @@ def _chunk(mixer: nn.Module, kind: LayerKind, hidden: torch.Tensor, initial: tup
 
 def measure(mixer: nn.Module, kind: LayerKind, hidden_size: int, device: torch.device, dtype: torch.dtype
             ) -> list[Figure]:
-    """Relative difference of the model's path from the pure-PyTorch path, per tensor: the checked chunk's output
-    and final states, and the gradients (of a random linear function of both) w.r.t. its input, its initial states
-    and the mixer's own parameters. Raises what the model's path raised, and :class:`CheckNotRun` where the
-    pure-PyTorch path raised."""
+    """Relative difference of the model's path from the pure-PyTorch path, per tensor of each checked chunk
+    (:data:`CHECKED_CHUNKS`): its output and final states, and the gradients (of a random linear function of both)
+    w.r.t. its input, its initial states and the mixer's own parameters. Raises what the model's path raised, and
+    :class:`CheckNotRun` where the pure-PyTorch path raised."""
     module = sys.modules[type(mixer).__module__]
     gen = torch.Generator().manual_seed(0)
 
@@ -195,24 +199,26 @@ def measure(mixer: nn.Module, kind: LayerKind, hidden_size: int, device: torch.d
 
     named = [(n, p) for n, p in mixer.named_parameters() if p.requires_grad and type(p) in (torch.Tensor, nn.Parameter)]
     params = [p for _, p in named]
-    first, second = rand(1, FIRST, hidden_size), rand(1, SECOND, hidden_size)
+    first = rand(1, FIRST, hidden_size)
+    checked = {prefix: rand(1, tokens, hidden_size) for prefix, tokens in CHECKED_CHUNKS.items()}
     with expected_sync(device), torch.inference_mode(False), torch.enable_grad(), \
             torch.autocast(device.type, enabled=False):
         replaced = pure_pytorch(module)
         try:
             with torch.no_grad():
                 _, start = _chunk(mixer, kind, first, None)
-            want, want_grads = _run(mixer, kind, second, start, params, gen)
+            want = {prefix: _run(mixer, kind, hidden, start, params, gen) for prefix, hidden in checked.items()}
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
             raise CheckNotRun(f"the pure-PyTorch path raised {type(error).__name__}: {error}") from error
         finally:
             restore(module, replaced)
-        got, got_grads = _run(mixer, kind, second, start, params, gen)
+        got = {prefix: _run(mixer, kind, hidden, start, params, gen) for prefix, hidden in checked.items()}
     names = ["output", *(f"final {s} state" for s in kind.states), "input gradient",
              *(f"initial {s} state gradient" for s in kind.states), *(f"{n} gradient" for n, _ in named)]
-    return [Figure(n, _relative(g, w)) for n, g, w in zip(names, (*got, *got_grads), (*want, *want_grads))]
+    return [Figure(prefix + n, _relative(g, w)) for prefix in checked
+            for n, g, w in zip(names, (*got[prefix][0], *got[prefix][1]), (*want[prefix][0], *want[prefix][1]))]
 
 
 def _run(mixer: nn.Module, kind: LayerKind, hidden: torch.Tensor, start: tuple[torch.Tensor, ...],

@@ -30,7 +30,11 @@ from tests.helpers.reference import assert_grads_close, engine_grads, reference_
 CPU = torch.device("cpu")
 # (family, the modeling function to fake, the argument that carries the chunk's initial state)
 SCANS = {"qwen3_5": ("torch_chunk_gated_delta_rule", "initial_state"),
-         "mamba2": ("mamba2_chunk_scan", "initial_states")}
+         "mamba2": ("mamba2_chunk_scan", "initial_states"),
+         "kimi_linear": ("chunk_kimi_delta_attention", "initial_state")}
+# the scans a chunk of one token runs instead (fla's fused_recurrent_* kernels on CUDA)
+ONE_TOKEN_SCANS = {"qwen3_5": ("torch_recurrent_gated_delta_rule", "initial_state"),
+                   "kimi_linear": ("recurrent_kimi_delta_attention", "initial_state")}
 
 
 @pytest.fixture(autouse=True)
@@ -47,11 +51,12 @@ def modeling(family: str):
     return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
 
 
-def fake_kernel(monkeypatch, family: str, wrong: str | None):
-    """Put a "kernel" in place of the family's scan: the pure-PyTorch function with the initial state detached
-    (``"initial"``), the final state detached (``"final"``), raising (``"raises"``) or untouched (``None``)."""
+def fake_kernel(monkeypatch, family: str, wrong: str | None, scans: dict = SCANS):
+    """Put a "kernel" in place of the family's scan (in ``scans``): the pure-PyTorch function with the initial state
+    detached (``"initial"``), the final state detached (``"final"``), raising (``"raises"``) or untouched
+    (``None``)."""
     module = modeling(family)
-    name, argument = SCANS[family]
+    name, argument = scans[family]
     pure = getattr(module, name).__wrapped__
 
     @functools.wraps(pure)
@@ -106,6 +111,26 @@ def test_a_kernel_that_loses_a_state_gradient_is_caught_and_fallen_back_from(mon
     assert_grads_close(fixed, ref, 1e-5, what=f"{family} after the fallback")
 
 
+@pytest.mark.parametrize("family", sorted(ONE_TOKEN_SCANS))
+def test_a_one_token_kernel_that_loses_the_state_gradient_is_caught(monkeypatch, family):
+    """A node of one token runs the mixers' decode scan, not the chunked one: the check runs a one-token chunk too,
+    so a decode kernel that detaches its initial state is caught like a chunked one."""
+    model = make_model(family)
+    rollouts = tree()
+    loss_fn = dta.PolicyLoss(kl_coef=0.1)
+    _, ref = reference_grads(model, rollouts, loss_fn)
+    module, name, kernel = fake_kernel(monkeypatch, family, "initial", ONE_TOKEN_SCANS)
+    _, broken = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, mode="dfs", chunk_size=1)
+    with pytest.raises(AssertionError):  # the control: one-token chunks through this kernel train the prefix wrongly
+        assert_grads_close(broken, ref, 1e-5, what=f"{family} with a decode kernel that drops the state gradient")
+
+    with pytest.warns(RecurrentKernelWarning, match=r"by \S+ relative \(one-token initial recurrent state gradient"):
+        check_recurrent_kernels(model, model_layer_kinds(model.config), CPU, torch.float64)
+    assert getattr(module, name) is kernel.__wrapped__
+    _, fixed = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, mode="dfs", chunk_size=1)
+    assert_grads_close(fixed, ref, 1e-5, what=f"{family} after the fallback")
+
+
 def test_a_kernel_that_raises_is_a_verdict(monkeypatch):
     model = make_model("qwen3_5")
     module, name, kernel = fake_kernel(monkeypatch, "qwen3_5", "raises")
@@ -135,16 +160,17 @@ def test_a_correct_kernel_passes_and_stays(monkeypatch, family):
 
 
 def test_figures_cover_the_states_and_the_parameters():
-    """What is compared: output, final states, and the gradients of the input, of every initial state and of every
-    parameter of the mixer (0 here: both paths are the same PyTorch)."""
+    """What is compared, for a chunk of several tokens and for one of a single token: output, final states, and the
+    gradients of the input, of every initial state and of every parameter of the mixer (0 here: both paths are the
+    same PyTorch)."""
     model = make_model("qwen3_5")
     mixer = model.model.layers[0].linear_attn
     kind = recurrent_check.LAYER_KINDS["linear_attention"]
     figures = recurrent_check.measure(mixer, kind, 32, CPU, torch.float64)
     names = [f.tensor for f in figures]
-    assert names[:6] == ["output", "final conv state", "final recurrent state", "input gradient",
-                         "initial conv state gradient", "initial recurrent state gradient"]
-    assert {f"{n} gradient" for n, _ in mixer.named_parameters()} == set(names[6:])
+    each = ["output", "final conv state", "final recurrent state", "input gradient", "initial conv state gradient",
+            "initial recurrent state gradient", *(f"{n} gradient" for n, _ in mixer.named_parameters())]
+    assert names == each + [f"one-token {n}" for n in each]  # a chunk of several tokens, then one of one token
     assert max(f.error for f in figures) == 0.0
 
 
