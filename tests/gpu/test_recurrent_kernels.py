@@ -28,7 +28,8 @@ from tests.helpers.reference import assert_grads_close, engine_grads, reference_
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
-FAMILIES = ["qwen3_5", "lfm2", "mamba2"]  # one per mixer kind: Gated DeltaNet, short convolution, Mamba2
+# one per mixer kind: Gated DeltaNet, short convolution, Mamba2, Kimi Delta Attention
+FAMILIES = ["qwen3_5", "lfm2", "mamba2", "kimi_linear"]
 KERNELS = {name: importlib.util.find_spec(name) is not None for name in ("fla", "causal_conv1d", "mamba_ssm")}
 
 
