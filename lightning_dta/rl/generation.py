@@ -137,6 +137,14 @@ def cut_at_stop(token_ids: Sequence[int], logprobs: Sequence[float], stop_ids: s
     return Completion(list(token_ids), list(logprobs), "length")
 
 
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    """Refuse an empty prompt by its index: a causal LM needs at least one token to condition on."""
+    for index, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ConfigError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
+                              "(start prompts with a BOS token)")
+
+
 class HFGenerator(Generator):
     """Sample with the policy's own ``model.generate`` (the default generator; works on the CPU).
 
@@ -226,10 +234,7 @@ class HFGenerator(Generator):
         if self.model is None:
             raise RuntimeError("HFGenerator.generate before attach(): call attach(policy, ...) first (the "
                                "OnlineRLCallback does it when training starts)")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ConfigError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
-                                 "(start prompts with a BOS token)")
+        check_prompts(prompts)
         device = next(self.model.parameters()).device
         noise_device = device if device.type == "cuda" else torch.device("cpu")
         generators = [torch.Generator(device=noise_device).manual_seed(s) for s in row_seeds(seed, len(prompts))]

@@ -61,7 +61,7 @@ from torch import nn
 from lightning_dta.core.errors import ConfigError
 from lightning_dta.distributed.collectives import world_size
 from lightning_dta.distributed.sharding import full_parameters
-from lightning_dta.rl.generation import Completion, Generator, cut_at_stop, row_seeds
+from lightning_dta.rl.generation import Completion, Generator, check_prompts, cut_at_stop, row_seeds
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 SERVER_FIX = ("use OpenAICompatibleGenerator with a vLLM server in a venv of its own (docs/rl.md, 'External inference "
@@ -292,10 +292,7 @@ class VLLMGenerator(Generator):
         if self.llm is None:
             raise RuntimeError("VLLMGenerator.generate before attach(): call attach(policy, ...) first (the "
                                "OnlineRLCallback does it when training starts)")
-        for index, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ConfigError(f"prompt {index} is empty; a causal LM needs at least one token to condition on "
-                                  "(start prompts with a BOS token)")
+        check_prompts(prompts)
         params = [sampling_params(n=1, max_tokens=self.max_new_tokens, temperature=self.temperature,
                                   top_p=self.top_p, top_k=self.top_k, seed=s % 2**31, logprobs=0,
                                   stop_token_ids=self.stop_ids, ignore_eos=True, detokenize=False,
