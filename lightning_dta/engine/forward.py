@@ -21,41 +21,45 @@ from lightning_dta.contracts import Objective
 from lightning_dta.engine.device import to_device
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.kv import KV, KVRecorder
-from lightning_dta.engine.layer_kinds import LAYER_KINDS, cache_layer_classes
+from lightning_dta.engine.layer_kinds import ATTENTION, LAYER_KINDS, cache_layer_classes
 from lightning_dta.engine.model_info import ModelInfo
 from lightning_dta.engine.prefix_attention import attention_switch
-from lightning_dta.engine.recurrent_state import StateLayer, States
+from lightning_dta.engine.recurrent_state import StateAndKVLayer, StateLayer, States
 from lightning_dta.engine.sibling_batch import SiblingBatch
+from lightning_dta.engine.time_step_limit import clamped_one_token_updates
 from lightning_dta.engine.token_scores import token_scores
 
 
 class RecordingCache(DynamicCache):
     """A ``DynamicCache`` pre-filled with the path's keys/values that records each layer's new ones. For a model
     with layers of other kinds (``kinds``: recurrent layers, layers without a mixer), each layer gets its kind's cache
-    layer: a :class:`~lightning_dta.engine.recurrent_state.StateLayer` per recurrent layer continues from the path's
-    states (``states``) and records the chunk's end states."""
+    layer: a :class:`~lightning_dta.engine.recurrent_state.StateLayer` per recurrent layer (a
+    :class:`~lightning_dta.engine.recurrent_state.StateAndKVLayer` where the layer also attends) continues from the
+    path's states (``states``) and records the chunk's end states."""
 
     def __init__(self, past: KV | None, kinds: tuple[str, ...] | None = None, states: States | None = None) -> None:
         super().__init__()
         self.new_kv = KVRecorder()
         self.state_layers: list[StateLayer] = []
-        if not kinds or all(LAYER_KINDS[kind].keys_values for kind in kinds):  # attention only: layer i is past[i]
+        if not kinds or all(LAYER_KINDS[kind] == ATTENTION for kind in kinds):  # attention only: layer i is past[i]
             if past:
-                self.layers = [_prefilled(keys, values) for keys, values in past]
+                self.layers = [_prefilled(DynamicLayer(), keys, values) for keys, values in past]
             return
-        # past[j] is the j-th attention layer's: lay every layer out by its kind
+        # past[j] is the j-th attention layer's, states[j] the j-th recurrent layer's: lay every layer out by its kind
         past_kv, past_states = iter(past or ()), iter(states or ())
         _, dummy_layer = cache_layer_classes()
         layers = []
         for kind_name in kinds:
             kind = LAYER_KINDS[kind_name]
-            if kind.keys_values:
-                layers.append(_prefilled(*next(past_kv)) if past else DynamicLayer())
-            elif kind.states:
-                self.state_layers.append(StateLayer(kind, next(past_states) if states else None))
-                layers.append(self.state_layers[-1])
+            if kind.states:
+                initial = next(past_states) if states else None
+                layer = StateAndKVLayer(kind, initial) if kind.keys_values else StateLayer(kind, initial)
+                self.state_layers.append(layer)
             else:
-                layers.append(dummy_layer())
+                layer = DynamicLayer() if kind.keys_values else dummy_layer()
+            if kind.keys_values and past:
+                _prefilled(layer, *next(past_kv))
+            layers.append(layer)
         self.layers = layers
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -68,8 +72,7 @@ class RecordingCache(DynamicCache):
         return None if any(f is None for f in finals) else finals
 
 
-def _prefilled(keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
-    layer = DynamicLayer()
+def _prefilled(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> DynamicLayer:
     layer.lazy_initialization(keys, values)
     layer.keys, layer.values = keys, values  # no copy: the first update concatenates
     return layer
@@ -106,8 +109,9 @@ def forward_batch(model: nn.Module, info: ModelInfo, batch: SiblingBatch, past: 
         cache = RecordingCache(past, info.layer_kinds, states)
         # An explicit all-ones mask: transformers then builds the lower-right causal mask over cache + chunks.
         attention_mask = torch.ones(rows, batch.start + input_ids.shape[1], dtype=torch.long, device=device)
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
-                       **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
+        with clamped_one_token_updates(info.time_step_limits):  # a chunk of one token as longer ones
+            logits = model(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask,
+                           **{info.cache_arg: cache, "use_cache": True}, **kwargs).logits
         recorder = cache.new_kv
         new_states = cache.new_states()
         if new_states is None:

@@ -36,6 +36,9 @@ LAYER_KINDS: dict[str, LayerKind] = {
     "sliding_attention": ATTENTION,  # the path holds every position; the model's own mask applies the window
     "chunked_attention": ATTENTION,
     "linear_attention": LayerKind(keys_values=False, states=("conv", "recurrent")),  # Gated DeltaNet, KDA, Mamba2
+    # attention and a Mamba2 mixer in one layer: side by side (Falcon-H1), or a shared attention block before the
+    # mixer (Zamba2); the layer's one cache layer holds both, at the decoder layer's index
+    "hybrid": LayerKind(keys_values=True, states=("conv", "recurrent")),
     "conv": LayerKind(keys_values=False, states=("conv",)),  # short convolutions (LFM2)
     "mlp": LayerKind(keys_values=False),  # layers without a mixer (Nemotron-H's MLP and MoE blocks)
     "moe": LayerKind(keys_values=False),
@@ -45,8 +48,9 @@ LAYER_KINDS: dict[str, LayerKind] = {
 # The recurrent mixers the engine walks, by the end of their class name, with their kind. One entry per mixer kind
 # where the class names share a suffix (Qwen3.5's, Qwen3-Next's and OLMo-hybrid's ``...GatedDeltaNet``, the
 # ``...ShortConv`` of LFM2 and LFM2-MoE, the ``...Mamba2Mixer`` of Mamba2 and Nemotron-H), and the Mamba2 mixers
-# that transformers names otherwise (Bamba's, Granite-4 hybrid's: the same code), and Kimi Linear's Kimi Delta
-# Attention (a Gated DeltaNet with a decay per channel: one convolution over q, k and v, a delta-rule state per head,
+# that transformers names otherwise (Bamba's, Granite-4 hybrid's, Falcon-H1's and Zamba2's: the same code, with
+# multipliers or an optional gated norm around it), and Kimi Linear's Kimi Delta Attention (a Gated DeltaNet with a
+# decay per channel: one convolution over q, k and v, a delta-rule state per head,
 # ``chunk_kimi_delta_attention(..., initial_state=...)``). Each reads its states through the cache contract,
 # continues a chunk of any length from them (its one-token decode paths write a state in place, which the engine's
 # cache layer turns into a recorded update) and hands its new states back through ``update_*_state``.
@@ -57,6 +61,8 @@ MIXER_KINDS: dict[str, str] = {
     "Mamba2Mixer": "Mamba2",
     "BambaMixer": "Mamba2",
     "GraniteMoeHybridMambaLayer": "Mamba2",
+    "FalconH1Mixer": "Mamba2",
+    "Zamba2MambaMixer": "Mamba2",
     "KimiLinearDeltaAttention": "Kimi Delta Attention",
 }
 
@@ -105,12 +111,18 @@ def check_layer_kinds(model: nn.Module, kinds: tuple[str, ...] | None) -> None:
         check_mixers(model, kinds)
 
 
-def check_mixers(model: nn.Module, kinds: tuple[str, ...]) -> None:
-    """Every recurrent layer's mixer (the module that carries the layer's ``layer_type``, as transformers' mixers
-    do) must be of a kind in :data:`MIXER_KINDS` that the engine walks."""
+def recurrent_mixers(model: nn.Module, kinds: tuple[str, ...]) -> list[nn.Module]:
+    """The modules that carry a recurrent layer's ``layer_type``, as transformers' mixers do."""
     recurrent = {kind for kind in kinds if LAYER_KINDS[kind].states}
     # transformers' recurrent mixers carry their layer's kind; other modules do not
-    mixers = [m for m in model.modules() if getattr(m, "layer_type", None) in recurrent]
+    return [m for m in model.modules() if getattr(m, "layer_type", None) in recurrent]
+
+
+def check_mixers(model: nn.Module, kinds: tuple[str, ...]) -> None:
+    """Every recurrent layer's mixer (:func:`recurrent_mixers`) must be of a kind in :data:`MIXER_KINDS` that the
+    engine walks."""
+    recurrent = {kind for kind in kinds if LAYER_KINDS[kind].states}
+    mixers = recurrent_mixers(model, kinds)
     name = type(model).__name__
     expected = sum(kind in recurrent for kind in kinds)
     if len(mixers) != expected:

@@ -27,6 +27,7 @@ from lightning_dta.engine.layer_kinds import (
     check_layer_kinds,
     is_recurrent,
     model_layer_kinds,
+    recurrent_mixers,
 )
 from lightning_dta.engine.prefix_attention import (
     attention_configs,
@@ -35,6 +36,7 @@ from lightning_dta.engine.prefix_attention import (
     unsupported_reason,
 )
 from lightning_dta.engine.recurrent_check import check_recurrent_kernels
+from lightning_dta.engine.time_step_limit import Limits, time_step_limits
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,8 @@ class ModelInfo:
     attention_backend: AttentionBackend | None = None  # prefix attention's kernels (with the configs above)
     num_layers: int | None = None  # decoder layers
     layer_kinds: tuple[str, ...] | None = None  # each decoder layer's kind (layer_kinds.LAYER_KINDS), if given
+    # the Mamba2 mixers' time-step limits that the engine applies to their one-token updates (time_step_limit.py)
+    time_step_limits: Limits = ()
 
     @property
     def packs_siblings(self) -> bool:
@@ -203,8 +207,11 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
     # optional config fields: not every model family has them
     num_layers = getattr(text, "num_hidden_layers", None)
     kinds = model_layer_kinds(text)
+    limits = ()
     if uses_cache:
         check_layer_kinds(model, kinds)
+        if is_recurrent(kinds):
+            limits = time_step_limits(type(model).__name__, recurrent_mixers(model, kinds))
     if uses_cache and (reason := dynamic_mask_reason(model, attention_configs(model))):
         raise ModelNotSupportedError(f"{reason}.")
     if uses_cache and is_recurrent(kinds) and first.device.type == "cuda":  # the mixers may call CUDA kernels
@@ -227,7 +234,7 @@ def inspect_model(model: nn.Module, uses_cache: bool, prefix_attention: bool | N
             raise ModelNotSupportedError(f"prefix_attention=True, but {reason}. Fix: pass prefix_attention=None "
                                          "(use it where possible) or prefix_attention=False.")
     return ModelInfo(cache_arg, "logits_to_keep" in params, vocab_size, max_positions, first.dtype, first.device,
-                     dropout, attn_implementation, configs, backend, num_layers, kinds)
+                     dropout, attn_implementation, configs, backend, num_layers, kinds, limits)
 
 
 def _agreed_by_tensor_parallel_peers(model: nn.Module, usable: bool) -> bool:

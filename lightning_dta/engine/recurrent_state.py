@@ -9,7 +9,9 @@ keys/values: the child gets the parent's state as leaves with ``requires_grad`` 
 backward leaves the gradient of its loss in them, those gradients are summed over all the children, and the
 parent's own backward at its pop starts from them. :class:`StateLayer` is the engine's cache layer that makes
 transformers' mixers work this way: transformers' own ``LinearAttentionLayer`` copies each new state into its
-buffer (``copy_``), which cuts the graph, so no gradient would reach the parent.
+buffer (``copy_``), which cuts the graph, so no gradient would reach the parent. A layer that also attends (kind
+``hybrid``: Falcon-H1, Zamba2) gets a :class:`StateAndKVLayer`, the same states next to the path's keys/values, as
+transformers' ``LinearAttentionAndFullAttentionLayer`` holds both in one cache layer.
 
 :class:`PathStates` holds the states at the ends of the chunks on the current path, keyed by that end position
 (a chunk starting at ``s`` continues from the state stored at ``s``), with their summed gradients.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from lightning_dta.engine.errors import ModelNotSupportedError
 from lightning_dta.engine.layer_kinds import LayerKind, cache_layer_classes
@@ -116,6 +119,22 @@ class StateLayer(LinearAttentionCacheLayerMixin):
         if set(self.new) != set(self.kind.states):
             return None
         return tuple(self.new[name] for name in self.kind.states)
+
+
+class StateAndKVLayer(StateLayer, DynamicLayer):
+    """The cache layer of a layer that attends and carries recurrent states (its mixer and its attention both index
+    the cache by the decoder layer's index): :class:`StateLayer` for the states, ``DynamicLayer`` for the keys and
+    values, which the caller pre-fills with the path's. The mask builders see an attention layer (a
+    ``CacheLayerMixin``), as with transformers' own cache layer for these layers."""
+
+    def __init__(self, kind: LayerKind, initial: tuple[torch.Tensor, ...] | None) -> None:
+        DynamicLayer.__init__(self)
+        StateLayer.__init__(self, kind, initial)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        """The keys/values' (``update`` passes them positionally); the states are given, never allocated here."""
+        if len(args) == 2:
+            DynamicLayer.lazy_initialization(self, *args)
 
 
 def flatten(states: States) -> list[torch.Tensor]:

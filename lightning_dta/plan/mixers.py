@@ -44,7 +44,7 @@ def mixer_kind(module: nn.Module) -> str | None:
     """The kind of a recurrent mixer (:data:`~lightning_dta.engine.layer_kinds.MIXER_KINDS`), ``None`` for other
     modules. transformers' recurrent mixers carry their layer's ``layer_type``; attention modules do not."""
     # transformers' recurrent mixers carry their layer's kind; other modules do not
-    if getattr(module, "layer_type", None) not in ("linear_attention", "conv"):
+    if not LAYER_KINDS.get(getattr(module, "layer_type", None), ATTENTION).states:
         return None
     name = type(module).__name__
     kind = next((kind for suffix, kind in MIXER_KINDS.items() if name.endswith(suffix)), None)

@@ -226,11 +226,11 @@ def refused_model(name: str) -> torch.nn.Module:
         model = NoCacheLM()
     elif name == "no KV cache (output)":
         model = NoCacheOutputLM()
-    elif name == "a layer kind the engine does not walk":  # Falcon-H1: attention and Mamba2 side by side
-        model = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+    elif name == "a layer kind the engine does not walk":  # Jamba: a Mamba (1) mixer, which carries no layer_type
+        model = transformers.JambaForCausalLM(transformers.JambaConfig(
             vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=4, head_dim=8, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_n_heads=8,
-            mamba_d_head=8, mamba_n_groups=1, mamba_d_ssm=64, mamba_chunk_size=8))
+            num_key_value_heads=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4, num_experts=1,
+            attn_layer_period=2, attn_layer_offset=1))
     else:
         model = transformers.DogeForCausalLM(transformers.DogeConfig(
             vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

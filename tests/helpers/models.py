@@ -145,7 +145,7 @@ OBJECTIVE_CONFIGS = {
 # Hybrid and state-space families: recurrent layers (Gated DeltaNet, Kimi Delta Attention, short convolutions, Mamba2)
 # next to attention.
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_next", "lfm2", "mamba2", "nemotron_h", "olmo_hybrid", "lfm2_moe", "bamba",
-                   "granitemoehybrid", "kimi_linear")
+                   "granitemoehybrid", "kimi_linear", "falcon_h1", "zamba2")
 CONV_KERNEL = 4  # the recurrent layers' convolution kernel: chunks of 1-3 tokens are shorter than its window
 SCAN_CHUNK = 8  # Mamba2's scan chunk: rollouts of up to ~30 tokens cross several
 
@@ -155,6 +155,8 @@ def make_hybrid(family: str) -> torch.nn.Module:
     from transformers import (
         BambaConfig,
         BambaForCausalLM,
+        FalconH1Config,
+        FalconH1ForCausalLM,
         GraniteMoeHybridConfig,
         GraniteMoeHybridForCausalLM,
         KimiLinearConfig,
@@ -173,6 +175,8 @@ def make_hybrid(family: str) -> torch.nn.Module:
         Qwen3_5TextConfig,
         Qwen3NextConfig,
         Qwen3NextForCausalLM,
+        Zamba2Config,
+        Zamba2ForCausalLM,
     )
 
     attention = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=MAX_POS)
@@ -227,6 +231,15 @@ def make_hybrid(family: str) -> torch.nn.Module:
             max_position_embeddings=MAX_POS, pad_token_id=0, bos_token_id=0, eos_token_id=0, **common))
         model.set_experts_implementation("eager")
         return model
+    if family == "falcon_h1":  # attention and a Mamba2 mixer side by side in every layer (layer type "hybrid")
+        return FalconH1ForCausalLM(FalconH1Config(num_hidden_layers=2, mamba_d_ssm=64, head_dim=8, **granite_mamba))
+    if family == "zamba2":  # one shared attention block (with per-layer adapters) before the Mamba2 of layers 0 and 2
+        return Zamba2ForCausalLM(Zamba2Config(
+            num_hidden_layers=3, layers_block_type=["hybrid", "mamba", "hybrid"], num_mem_blocks=1,
+            use_shared_attention_adapter=True, adapter_rank=4, use_mem_rope=True, mamba_d_state=8,
+            mamba_d_conv=CONV_KERNEL, mamba_expand=2, n_mamba_heads=8, mamba_ngroups=1, chunk_size=SCAN_CHUNK,
+            intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=MAX_POS,
+            pad_token_id=0, **common))  # its adapters add [.., 2 * hidden] to the keys: one KV head per query head
     mamba = dict(n_groups=1, conv_kernel=CONV_KERNEL, chunk_size=SCAN_CHUNK, expand=2)
     if family == "mamba2":
         return Mamba2ForCausalLM(Mamba2Config(num_heads=8, head_dim=8, state_size=8, num_hidden_layers=2, **mamba,

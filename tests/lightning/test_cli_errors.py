@@ -214,15 +214,14 @@ def test_every_verb_refuses_bad_input_in_one_line_and_exit_2(case, tmp_path: Pat
 def test_a_refused_model_is_refused_before_anything_runs_and_its_fix_runs(tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 32: the toy RL job on a model the tree walk refuses (Falcon-H1's hybrid layers) is refused before
+    """Issue 32: the toy RL job on a model the tree walk refuses (Jamba's Mamba mixers) is refused before
     the warm start and the first step, with the fix as the command's option; that option, added to the same
     command, runs the job (the warm start's forward-only walk included)."""
     config = yaml.safe_load((REPO / "configs" / "toy_rl_cpu.yaml").read_text())
     config["trainer"].update(max_steps=1, logger=False)
     config["trainer"]["callbacks"][0]["init_args"].update(sft_warmup_steps=2, reward_plot=None)
-    config["model"]["model"].update(model_type="falcon_h1", head_dim=16, mamba_d_state=8, mamba_d_conv=4,
-                                    mamba_expand=2, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
-                                    mamba_d_ssm=128, mamba_chunk_size=8)
+    config["model"]["model"].update(model_type="jamba", mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                                    mamba_dt_rank=4, num_experts=1, attn_layer_period=2, attn_layer_offset=1)
     path = tmp_path / "hybrid.yaml"
     path.write_text(yaml.safe_dump(config))
     argv = ["fit", "--config", str(path)]
@@ -235,7 +234,7 @@ def test_a_refused_model_is_refused_before_anything_runs_and_its_fix_runs(tmp_pa
     assert cli.main(argv) == 2
     monkeypatch.setattr(callback, "sft_warm_start", warm_start)
     out, err = capsys.readouterr()
-    assert "layers of type ['hybrid']" in err and "Epoch" not in out + err, err
+    assert "found 0 mixer modules" in err and "Epoch" not in out + err, err
     (fix,) = re.findall(r"Fix: (--\S+?)\.?$", err.strip())
     assert fix == "--model.engine.mode=vanilla", err
     assert cli.main([*argv, fix]) == 0, capsys.readouterr().err[-3000:]

@@ -158,7 +158,8 @@ class _HeldStates:
 
 
 @pytest.mark.parametrize("family,dtype", [("qwen3_5", torch.bfloat16), ("nemotron_h", torch.float32),
-                                          ("lfm2", torch.bfloat16), ("kimi_linear", torch.bfloat16)])
+                                          ("lfm2", torch.bfloat16), ("kimi_linear", torch.bfloat16),
+                                          ("falcon_h1", torch.float32)])
 @pytest.mark.parametrize("options", [dict(sibling_batch_tokens=None), dict(activation="recompute", chunk_size=3)],
                          ids=["keep-unbatched", "recompute-chunk3"])
 def test_state_bytes_on_the_path_are_what_the_engine_holds(monkeypatch, family, dtype, options) -> None:
