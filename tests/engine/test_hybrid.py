@@ -58,6 +58,15 @@ class _Float64Torch(types.ModuleType):
         return torch.float64 if name == "float32" else getattr(torch, name)
 
 
+def assert_walks_as_each_rollout(model, rollouts, loss_fn, configs, what: str | None = None) -> None:
+    """The engine's loss and per-parameter gradients under each config equal training each rollout alone."""
+    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
+    for config in configs:
+        out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
+        assert out.loss == pytest.approx(ref_loss, rel=1e-6)
+        assert_grads_close(got, ref, RTOL64, what=what or str(config))
+
+
 @pytest.fixture(autouse=True)
 def float64_recurrent_cores(monkeypatch):
     """Run the recurrent cores in float64, for the reference and the tree alike: the modeling modules' casts to
@@ -130,10 +139,8 @@ def test_kimi_delta_attention_across_its_scan_chunks(monkeypatch, config_name):
     rollouts = tree_rollouts()
     assert max(len(r) for r in rollouts) > 2 * SCAN_CHUNK
     loss_fn = dta.PolicyLoss(clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.1)
-    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
-    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **CONFIGS[config_name])
-    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
-    assert_grads_close(got, ref, RTOL64, what=f"kimi_linear scan chunk {SCAN_CHUNK} {config_name}")
+    assert_walks_as_each_rollout(model, rollouts, loss_fn, [CONFIGS[config_name]],
+                                 what=f"kimi_linear scan chunk {SCAN_CHUNK} {config_name}")
 
 
 @pytest.mark.parametrize("family", SCANS)
@@ -144,10 +151,8 @@ def test_other_objectives(family, loss_fn):
     """GSPO's sequence ratio comes from a forward-only walk (``tree_logprobs``) before the training walk."""
     model = make_model(family)
     rollouts = tree_rollouts()
-    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
-    out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **CONFIGS["recompute-chunk2"])
-    assert out.loss == pytest.approx(ref_loss, rel=1e-6)
-    assert_grads_close(got, ref, RTOL64, what=f"{family} {loss_fn.loss_mode}")
+    assert_walks_as_each_rollout(model, rollouts, loss_fn, [CONFIGS["recompute-chunk2"]],
+                                 what=f"{family} {loss_fn.loss_mode}")
 
 
 def test_attention_layers_among_layers_without_a_mixer():
@@ -161,11 +166,7 @@ def test_attention_layers_among_layers_without_a_mixer():
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)).double()
     rollouts = tree_rollouts()
     loss_fn = dta.PolicyLoss(kl_coef=0.1)
-    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
-    for config in (CONFIGS["keep-batched"], CONFIGS["recompute-chunk2"]):
-        out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
-        assert out.loss == pytest.approx(ref_loss, rel=1e-6)
-        assert_grads_close(got, ref, RTOL64, what=str(config))
+    assert_walks_as_each_rollout(model, rollouts, loss_fn, [CONFIGS["keep-batched"], CONFIGS["recompute-chunk2"]])
 
 
 def test_recurrent_state_gradient_reaches_the_parent():
@@ -431,11 +432,7 @@ def test_a_binding_time_step_limit_walks_exactly():
                 module.dt_bias.copy_(torch.linspace(-9.0, -5.0, module.dt_bias.numel()))
     rollouts = tree_rollouts()
     loss_fn = dta.PolicyLoss(kl_coef=0.1)
-    ref_loss, ref = reference_grads(model, rollouts, loss_fn)
-    for config in (CONFIGS["keep-batched"], CONFIGS["keep-chunk1"]):
-        out, got = engine_grads(model, dta.PrefixTree.from_rollouts(rollouts), loss_fn, **config)
-        assert out.loss == pytest.approx(ref_loss, rel=1e-6)
-        assert_grads_close(got, ref, RTOL64, what=str(config))
+    assert_walks_as_each_rollout(model, rollouts, loss_fn, [CONFIGS["keep-batched"], CONFIGS["keep-chunk1"]])
 
 
 def test_mixers_of_one_module_with_different_time_step_limits_are_refused():
